@@ -1,0 +1,415 @@
+"""The configuration tree: `data`, `algorithm`, `worker.{actor,ref,rollout,reward}`, `trainer`.
+
+Key names and most defaults follow EasyR1 so its YAML files and command lines carry over.
+Each field's docstring is the string literal under it (shown by `--help`).
+
+Loading order (see `vlrl.config_loader.load_config`): dataclass defaults, then `config=FILE.yaml`,
+then dotted overrides `a.b.c=value`. Then `PPOConfig.finalize()` computes the derived values (in
+`derive()`, the one place for them), runs every cross-field check (`validate()`) and freezes the tree.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or inconsistent with another."""
+
+
+class _Section:
+    """Base of every config dataclass: can be frozen after `finalize()`."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"config is frozen; cannot set {type(self).__name__}.{name}")
+        object.__setattr__(self, name, value)
+
+    def freeze(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            child = getattr(self, f.name)
+            if isinstance(child, _Section):
+                child.freeze()
+        object.__setattr__(self, "_frozen", True)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            out[f.name] = value.to_dict() if isinstance(value, _Section) else value
+        return out
+
+
+# --------------------------------------------------------------------------------------- data
+@dataclass
+class DataConfig(_Section):
+    train_files: str = ""
+    """Training data: a .json/.jsonl/.parquet/.csv file, a folder of them, or `hub_name@split`."""
+    val_files: str = ""
+    """Validation data, same forms as `train_files`; empty disables validation."""
+    prompt_key: str = "problem"
+    """Column holding the prompt text; `<image>`/`<video>` mark where each image/video goes."""
+    answer_key: str = "answer"
+    """Column holding the ground truth passed to the reward function."""
+    image_key: str = "images"
+    """Column holding a list of images (paths, PIL images, {'bytes': ...} dicts or raw bytes)."""
+    video_key: str = "videos"
+    """Column holding a list of videos (lists of frames or paths)."""
+    image_dir: str | None = None
+    """Folder prepended to relative image paths; default: the data file's folder."""
+    video_fps: float = 2.0
+    """Frames per second sampled from videos."""
+    max_prompt_length: int = 512
+    """Maximum prompt length in tokens, counted after image tokens are expanded."""
+    max_response_length: int = 512
+    """Maximum number of generated tokens per response."""
+    rollout_batch_size: int = 512
+    """Prompts per training step (each sampled `worker.rollout.n` times)."""
+    mini_rollout_batch_size: int | None = None
+    """Generate the step's prompts in chunks of this many (bounds rollout memory); None: all at once."""
+    val_batch_size: int = -1
+    """Prompts per validation generation call; -1: the whole validation set at once."""
+    format_prompt: str | None = None
+    """Jinja template (file path) applied to the prompt text; the text is the variable `content`."""
+    override_chat_template: str | None = None
+    """Chat template (Jinja string or file path) used instead of the tokenizer's."""
+    shuffle: bool = True
+    """Shuffle the training data every epoch (seeded by `seed`)."""
+    seed: int = 1
+    """Seed of the data order."""
+    min_pixels: int | None = 262144
+    """Images with fewer pixels are upscaled to at least this many (Qwen-VL rule, multiples of 28)."""
+    max_pixels: int | None = 4194304
+    """Images with more pixels are downscaled to at most this many."""
+    filter_overlong_prompts: bool = True
+    """Drop prompts longer than `max_prompt_length` (counted in the logs); False: such a row is an error."""
+    filter_overlong_prompts_workers: int = 1
+    """Processes used to measure prompt lengths when filtering."""
+    skip_bad_rows: bool = False
+    """Skip (and count) rows with missing images or mismatched `<image>` markers instead of failing."""
+
+
+# ---------------------------------------------------------------------------------- algorithm
+@dataclass
+class AlgorithmConfig(_Section):
+    adv_estimator: str = "grpo"
+    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_plus_plus, remax, grpo_passk, gae."""
+    gamma: float = 1.0
+    """Discount factor (reinforce_plus_plus, gae)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO divides by the group's std; False gives Dr.GRPO's plain mean-centering."""
+    disable_kl: bool = False
+    """Turn off every KL term (no reference policy is loaded)."""
+    use_kl_loss: bool = False
+    """Add `kl_coef * KL(policy || ref)` to the loss (GRPO style); False: KL penalty in the reward."""
+    kl_penalty: str = "kl"
+    """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3, clamped), full."""
+    kl_coef: float = 1e-3
+    """KL coefficient (initial value for the adaptive controller)."""
+    kl_type: str = "fixed"
+    """KL controller for the reward penalty: fixed or adaptive."""
+    kl_horizon: float = 10000.0
+    """Adaptive KL controller horizon."""
+    kl_target: float = 0.1
+    """Adaptive KL controller target KL."""
+    online_filtering: bool = False
+    """DAPO dynamic sampling: drop groups whose mean `filter_key` reward is not in (filter_low, filter_high)."""
+    filter_key: str = "overall"
+    """Reward part used by online filtering."""
+    filter_low: float = 0.01
+    """Groups whose mean reward is <= this are dropped."""
+    filter_high: float = 0.99
+    """Groups whose mean reward is >= this are dropped."""
+
+
+# ------------------------------------------------------------------------------------- worker
+@dataclass
+class ModelConfig(_Section):
+    model_path: str = ""
+    """Hugging Face model folder (or hub name) of the policy."""
+    tokenizer_path: str | None = None
+    """Tokenizer/processor folder; default: `model_path`."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Entries that override the model's config.json (e.g. {"attention_dropout": 0.0})."""
+    enable_gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass (saves memory, costs ~30% compute)."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code from the model folder."""
+    freeze_vision_tower: bool = False
+    """Keep the vision encoder's weights fixed."""
+
+
+@dataclass
+class OptimConfig(_Section):
+    lr: float = 1e-6
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    weight_decay: float = 1e-2
+    """AdamW weight decay."""
+    strategy: str = "adamw"
+    """Optimizer: adamw, or adamw_bf16 (optimizer states in bf16)."""
+    lr_warmup_ratio: float = 0.0
+    """Warm-up length as a fraction of the training steps."""
+    lr_warmup_steps: int | None = None
+    """Warm-up length in steps (overrides `lr_warmup_ratio`)."""
+    lr_scheduler_type: str = "constant"
+    """Schedule after warm-up: constant or cosine."""
+    min_lr_ratio: float = 0.0
+    """Cosine schedule floor, as a fraction of `lr`."""
+
+
+@dataclass
+class FSDPConfig(_Section):
+    enable_full_shard: bool = True
+    """Shard parameters (FSDP2 reshard after forward); False keeps them gathered (faster, more memory)."""
+    enable_cpu_offload: bool = False
+    """Let FSDP2 keep parameters on CPU (GPU only)."""
+    torch_dtype: str | None = None
+    """Dtype of the master weights: float32 (default for training) or bfloat16 (pure bf16)."""
+    mp_param_dtype: str = "bf16"
+    """Mixed-precision compute dtype on GPU (ignored on CPU, which computes in float32)."""
+    mp_reduce_dtype: str = "fp32"
+    """Gradient reduction dtype."""
+
+
+@dataclass
+class OffloadConfig(_Section):
+    offload_params: bool = False
+    """Move the parameters to CPU while the rollout engine runs (GPU only)."""
+    offload_optimizer: bool = False
+    """Move the optimizer states to CPU between updates (GPU only)."""
+
+
+@dataclass
+class ActorConfig(_Section):
+    strategy: str = "fsdp"
+    """Training strategy (only fsdp, i.e. FSDP2)."""
+    global_batch_size: int = 256
+    """Prompts per optimizer step (mini-batch), across all ranks; each prompt brings n samples."""
+    micro_batch_size_per_device_for_update: int = 4
+    """Samples per forward/backward in the update (per rank)."""
+    micro_batch_size_per_device_for_experience: int = 16
+    """Samples per forward when computing old/ref log-probs (per rank)."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping threshold."""
+    clip_ratio_low: float = 0.2
+    """PPO lower clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.3
+    """PPO upper clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher)."""
+    clip_ratio_dual: float = 3.0
+    """Dual-clip bound for negative advantages (must be > 1)."""
+    policy_loss: str = "ppo"
+    """Policy loss: ppo (vanilla/dual-clip), gspo, gspo_token, cispo, sapo."""
+    loss_avg_mode: str = "token"
+    """Loss aggregation: token (mean over all tokens), seq (mean of per-sequence means), seq-mean-token-sum."""
+    ppo_epochs: int = 1
+    """Passes over each step's data."""
+    padding_free: bool = True
+    """Pack sequences without padding in the actor's forward passes."""
+    dynamic_batching: bool = False
+    """Form micro-batches by a token budget (`max_token_len_per_device`) instead of a sample count."""
+    max_token_len_per_device: int | None = None
+    """Token budget per micro-batch with dynamic batching; default: 2 x (prompt + response length)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (0 disables the extra pass)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+@dataclass
+class RefConfig(_Section):
+    micro_batch_size_per_device_for_experience: int = 16
+    """Samples per forward when computing reference log-probs (per rank)."""
+    padding_free: bool = True
+    """Pack sequences without padding."""
+    offload_params: bool = False
+    """Keep the reference weights on CPU and move them in only for its forward (GPU only)."""
+
+
+@dataclass
+class RolloutConfig(_Section):
+    name: str = "vllm"
+    """Rollout engine: vllm (SPMD, one engine per rank) or hf (transformers generate; slow, for debugging)."""
+    n: int = 5
+    """Responses sampled per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature (also applied to the log-probs the actor computes)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables."""
+    seed: int = 1
+    """Sampling seed; data-parallel groups add their index, tensor-parallel peers share it."""
+    ignore_eos: bool = False
+    """Keep generating past EOS up to the maximum length."""
+    limit_images: int = 0
+    """Maximum images per prompt the engine accepts; 0: derived from the data."""
+    dtype: str = "bf16"
+    """Engine weight dtype: bf16, fp16 or fp32."""
+    gpu_memory_utilization: float = 0.6
+    """Fraction of device memory for the engine (on CPU: of host RAM; keep it small)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (always eager on CPU)."""
+    enable_chunked_prefill: bool = False
+    """Let vLLM split long prefills."""
+    enable_sleep_mode: bool = True
+    """Free the engine's weights and KV cache while the actor trains (GPU only; ignored on CPU)."""
+    tensor_parallel_size: int = 1
+    """Ranks per engine (must divide the world size)."""
+    max_model_len: int | None = None
+    """Engine context length; default: max_prompt_length + max_response_length."""
+    max_num_batched_tokens: int = 8192
+    """Tokens per engine scheduler step."""
+    max_num_seqs: int = 256
+    """Sequences per engine scheduler step."""
+    calculate_log_probs: bool = False
+    """Return the engine's sampled-token log-probs (logged against the actor's for drift checks)."""
+    sync_bucket_mb: int = 256
+    """Weight-sync bucket size in MiB: bounds the extra memory of one sync."""
+    val_override_config: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.5, "n": 1})
+    """Sampling overrides for validation (keys: n, temperature, top_p, top_k, seed, ignore_eos)."""
+
+
+@dataclass
+class RewardConfig(_Section):
+    reward_type: str = "batch"
+    """batch: the function takes a list of inputs; sequential: one input at a time."""
+    reward_function: str | None = None
+    """`path/to/file.py:function` (no `:function` means `main`)."""
+    reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the reward function."""
+    skip_special_tokens: bool = True
+    """Decode responses without special tokens."""
+    num_workers: int = 1
+    """Reward worker processes (rewards run off the training processes)."""
+    timeout: float = 60.0
+    """Seconds one reward call may take before it counts as a failure."""
+    on_failure: str = "raise"
+    """What a failing sample does: raise (stop with the file, function and sample) or zero (score 0, counted)."""
+
+
+@dataclass
+class WorkerConfig(_Section):
+    hybrid_engine: bool = True
+    """Actor, rollout and reference share each rank (the only mode)."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+
+# ------------------------------------------------------------------------------------ trainer
+@dataclass
+class TrainerConfig(_Section):
+    total_epochs: int = 15
+    """Passes over the training data."""
+    max_steps: int | None = None
+    """Stop after this many steps (overrides `total_epochs` when smaller)."""
+    project_name: str = "vlrl"
+    """Project name (wandb project, default output folder)."""
+    experiment_name: str = "demo"
+    """Run name."""
+    logger: list[str] = field(default_factory=lambda: ["console", "file"])
+    """Loggers: any of console, file, wandb, tensorboard."""
+    nnodes: int = 1
+    """Nodes in the Ray cluster to use."""
+    n_gpus_per_node: int = 8
+    """Ranks per node: GPUs per node, or CPU ranks on a machine without GPUs."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cuda or cpu."""
+    max_try_make_batch: int = 20
+    """With online filtering: generation rounds allowed to fill one batch (-1: unlimited)."""
+    val_freq: int = -1
+    """Validate every N steps (-1: only at the end)."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    val_only: bool = False
+    """Validate and exit."""
+    val_generations_to_log: int = 0
+    """Validation generations written to the loggers each validation."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1: only at the end)."""
+    save_limit: int = -1
+    """Keep the newest N checkpoints plus the best (-1: keep all)."""
+    save_model_only: bool = False
+    """Save only the model weights (no optimizer/dataloader state: cannot resume exactly)."""
+    save_checkpoint_path: str | None = None
+    """Checkpoint folder; default: checkpoints/{project_name}/{experiment_name}."""
+    load_checkpoint_path: str | None = None
+    """Resume from this checkpoint (a `global_step_N` folder)."""
+    find_last_checkpoint: bool = True
+    """Resume from the newest complete checkpoint in `save_checkpoint_path` when one exists."""
+    plot_path: str | None = None
+    """Write a PNG of reward and response length per step here at the end."""
+
+
+# --------------------------------------------------------------------------------------- root
+@dataclass
+class PPOConfig(_Section):
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    # ---- derived values: computed here and nowhere else
+    @property
+    def world_size(self) -> int:
+        """Training ranks: nodes x ranks per node."""
+        return self.trainer.nnodes * self.trainer.n_gpus_per_node
+
+    @property
+    def samples_per_step(self) -> int:
+        """Sequences generated per step: prompts x n."""
+        return self.data.rollout_batch_size * self.worker.rollout.n
+
+    @property
+    def samples_per_minibatch_per_rank(self) -> int:
+        """Sequences each rank feeds one optimizer step."""
+        return self.worker.actor.global_batch_size * self.worker.rollout.n // self.world_size
+
+    @property
+    def use_reference(self) -> bool:
+        """A reference policy is needed when any KL term is on."""
+        return not self.algorithm.disable_kl
+
+    def derive(self) -> None:
+        """Fill the values that default to other values. The one place for derived config."""
+        rollout, model = self.worker.rollout, self.worker.actor.model
+        if rollout.max_model_len is None:
+            rollout.max_model_len = self.data.max_prompt_length + self.data.max_response_length
+        if model.tokenizer_path is None:
+            model.tokenizer_path = model.model_path
+        if self.worker.actor.max_token_len_per_device is None:
+            self.worker.actor.max_token_len_per_device = 2 * (
+                self.data.max_prompt_length + self.data.max_response_length
+            )
+        if self.trainer.save_checkpoint_path is None:
+            self.trainer.save_checkpoint_path = os.path.join(
+                "checkpoints", self.trainer.project_name, self.trainer.experiment_name
+            )
+        if self.trainer.device == "auto":
+            import torch
+
+            self.trainer.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def validate(self) -> None:
+        """Every cross-field rule, each failure naming the keys and what to change."""
+        from vlrl.config_checks import check_config
+
+        errors = check_config(self)
+        if errors:
+            raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+    def finalize(self) -> PPOConfig:
+        """Derive, validate, freeze; returns self."""
+        self.derive()
+        self.validate()
+        self.freeze()
+        return self

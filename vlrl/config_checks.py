@@ -1,0 +1,167 @@
+"""Cross-field rules of a `PPOConfig`. Each returns messages that say which keys to change.
+
+Everything a long run could trip over later (batch arithmetic, engine limits, a missing reward
+file or model folder) is checked here, at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vlrl.config import PPOConfig
+
+KNOWN_LOGGERS = ("console", "file", "wandb", "tensorboard")
+SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "seed", "ignore_eos", "max_tokens")
+
+
+def check_config(config: PPOConfig) -> list[str]:
+    errors: list[str] = []
+    for check in (_check_batch_sizes, _check_algorithm, _check_rollout, _check_reward, _check_trainer):
+        errors.extend(check(config))
+    return errors
+
+
+def _check_batch_sizes(config: PPOConfig) -> list[str]:
+    data, actor, n, world = config.data, config.worker.actor, config.worker.rollout.n, config.world_size
+    errors = []
+    positive = {
+        "data.rollout_batch_size": data.rollout_batch_size,
+        "worker.actor.global_batch_size": actor.global_batch_size,
+        "worker.actor.micro_batch_size_per_device_for_update": actor.micro_batch_size_per_device_for_update,
+        "worker.actor.micro_batch_size_per_device_for_experience": actor.micro_batch_size_per_device_for_experience,
+        "worker.rollout.n": n,
+        "trainer.nnodes": config.trainer.nnodes,
+        "trainer.n_gpus_per_node": config.trainer.n_gpus_per_node,
+        "data.max_prompt_length": data.max_prompt_length,
+        "data.max_response_length": data.max_response_length,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            errors.append(f"{key}={value} must be >= 1")
+    if errors:
+        return errors
+    if data.rollout_batch_size % actor.global_batch_size:
+        errors.append(
+            f"data.rollout_batch_size={data.rollout_batch_size} must be divisible by "
+            f"worker.actor.global_batch_size={actor.global_batch_size}"
+        )
+    if (actor.global_batch_size * n) % world:
+        errors.append(
+            f"worker.actor.global_batch_size={actor.global_batch_size} x worker.rollout.n={n} must be divisible "
+            f"by the world size {world} (trainer.nnodes x trainer.n_gpus_per_node)"
+        )
+    elif not actor.dynamic_batching and config.samples_per_minibatch_per_rank % actor.micro_batch_size_per_device_for_update:
+        errors.append(
+            f"each rank gets {config.samples_per_minibatch_per_rank} samples per optimizer step "
+            f"(global_batch_size x n / world size), which must be divisible by "
+            f"worker.actor.micro_batch_size_per_device_for_update={actor.micro_batch_size_per_device_for_update}"
+        )
+    mini = data.mini_rollout_batch_size
+    if mini is not None and (mini < 1 or data.rollout_batch_size % mini):
+        errors.append(f"data.rollout_batch_size={data.rollout_batch_size} must be divisible by data.mini_rollout_batch_size={mini}")
+    return errors
+
+
+def _check_algorithm(config: PPOConfig) -> list[str]:
+    from vlrl.algorithms import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+
+    algo, actor = config.algorithm, config.worker.actor
+    errors = []
+    for key, value, valid in (
+        ("algorithm.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS),
+        ("algorithm.kl_penalty", algo.kl_penalty, KL_ESTIMATORS),
+        ("worker.actor.policy_loss", actor.policy_loss, POLICY_LOSSES),
+        ("worker.actor.loss_avg_mode", actor.loss_avg_mode, LOSS_AGG_MODES),
+        ("algorithm.kl_type", algo.kl_type, ("fixed", "adaptive")),
+        ("worker.actor.optim.strategy", actor.optim.strategy, ("adamw", "adamw_bf16")),
+        ("worker.actor.optim.lr_scheduler_type", actor.optim.lr_scheduler_type, ("constant", "cosine")),
+    ):
+        if value not in valid:
+            errors.append(f"{key}={value!r} is unknown; choose one of {sorted(valid)}")
+    if algo.adv_estimator in GROUP_ESTIMATORS and config.worker.rollout.n < 2:
+        errors.append(
+            f"algorithm.adv_estimator={algo.adv_estimator} compares samples of one prompt: set worker.rollout.n >= 2"
+        )
+    if algo.adv_estimator == "gae":
+        errors.append("algorithm.adv_estimator=gae needs a critic, which vlrl does not train yet; use grpo or rloo")
+    if actor.clip_ratio_dual <= 1.0:
+        errors.append(f"worker.actor.clip_ratio_dual={actor.clip_ratio_dual} must be > 1")
+    if actor.clip_ratio_low < 0 or actor.clip_ratio_high < 0:
+        errors.append("worker.actor.clip_ratio_low and clip_ratio_high must be >= 0")
+    if algo.online_filtering and not algo.filter_low < algo.filter_high:
+        errors.append(f"algorithm.filter_low={algo.filter_low} must be < algorithm.filter_high={algo.filter_high}")
+    return errors
+
+
+def _check_rollout(config: PPOConfig) -> list[str]:
+    rollout, data, world = config.worker.rollout, config.data, config.world_size
+    errors = []
+    if rollout.name not in ("vllm", "hf"):
+        errors.append(f"worker.rollout.name={rollout.name!r} is unknown; choose vllm or hf")
+    if rollout.tensor_parallel_size < 1 or world % rollout.tensor_parallel_size:
+        errors.append(
+            f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size} must divide the world size {world}"
+        )
+    needed = data.max_prompt_length + data.max_response_length
+    if rollout.max_model_len is not None and rollout.max_model_len < needed:
+        errors.append(
+            f"worker.rollout.max_model_len={rollout.max_model_len} < data.max_prompt_length + "
+            f"data.max_response_length = {needed}; raise it or shorten the lengths"
+        )
+    if not rollout.enable_chunked_prefill and rollout.max_num_batched_tokens < needed:
+        errors.append(
+            f"worker.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} < prompt + response length "
+            f"{needed}; raise it or set worker.rollout.enable_chunked_prefill=true"
+        )
+    if not 0 < rollout.gpu_memory_utilization <= 1:
+        errors.append(f"worker.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]")
+    if rollout.temperature < 0:
+        errors.append(f"worker.rollout.temperature={rollout.temperature} must be >= 0")
+    bad = sorted(set(rollout.val_override_config) - set(SAMPLING_KEYS))
+    if bad:
+        errors.append(f"worker.rollout.val_override_config has unknown keys {bad}; valid: {list(SAMPLING_KEYS)}")
+    return errors
+
+
+def _check_reward(config: PPOConfig) -> list[str]:
+    reward = config.worker.reward
+    errors = []
+    if reward.reward_type not in ("batch", "sequential"):
+        errors.append(f"worker.reward.reward_type={reward.reward_type!r} must be batch or sequential")
+    if reward.on_failure not in ("raise", "zero"):
+        errors.append(f"worker.reward.on_failure={reward.on_failure!r} must be raise or zero")
+    if not reward.reward_function:
+        errors.append("worker.reward.reward_function is required (e.g. ./reward_functions/math.py:compute_score)")
+    else:
+        path = reward.reward_function.rsplit(":", 1)[0] if ":" in reward.reward_function else reward.reward_function
+        if not os.path.isfile(path):
+            errors.append(f"worker.reward.reward_function: file {path!r} does not exist")
+    if reward.num_workers < 1:
+        errors.append(f"worker.reward.num_workers={reward.num_workers} must be >= 1")
+    if reward.timeout <= 0:
+        errors.append(f"worker.reward.timeout={reward.timeout} must be > 0")
+    return errors
+
+
+def _check_trainer(config: PPOConfig) -> list[str]:
+    trainer = config.trainer
+    errors = []
+    bad = [name for name in trainer.logger if name not in KNOWN_LOGGERS]
+    if bad:
+        errors.append(f"trainer.logger has unknown entries {bad}; valid: {list(KNOWN_LOGGERS)}")
+    if trainer.device not in ("cpu", "cuda"):
+        errors.append(f"trainer.device={trainer.device!r} must be auto, cpu or cuda")
+    if trainer.max_steps is not None and trainer.max_steps < 1:
+        errors.append(f"trainer.max_steps={trainer.max_steps} must be >= 1 (or null)")
+    if trainer.total_epochs < 1:
+        errors.append(f"trainer.total_epochs={trainer.total_epochs} must be >= 1")
+    if not config.worker.actor.model.model_path:
+        errors.append("worker.actor.model.model_path is required (a Hugging Face model folder)")
+    if not config.data.train_files:
+        errors.append("data.train_files is required")
+    for key, value in (("data.format_prompt", config.data.format_prompt),):
+        if value and not os.path.isfile(value):
+            errors.append(f"{key}: file {value!r} does not exist")
+    return errors

@@ -1,0 +1,247 @@
+"""Build a complete, tiny Hugging Face model folder offline: config, random weights, a locally
+trained BPE tokenizer with the Qwen special tokens, a chat template, image and video processors.
+
+    python -m vlrl.models.tiny OUT_DIR --arch qwen2_5_vl [--size tiny|small] [--seed 0]
+
+The folder loads unchanged with `AutoProcessor` / `AutoModelForImageTextToText` (or
+`AutoModelForCausalLM` for text-only archs) and with `vllm.LLM`. Tests and the quickstart use
+it because nothing can be downloaded here. Deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen2")
+VISION_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+
+# Qwen's special tokens; the ids follow the order here, right after the trained vocabulary.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Our own chat template (Qwen-style turns). Message content is a string or a list of parts
+# {"type": "text", "text": ...} / {"type": "image"} / {"type": "video"}.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySize:
+    hidden: int
+    layers: int
+    heads: int  # head_dim = hidden // heads; vLLM's CPU attention needs head_dim >= 32
+    kv_heads: int
+    intermediate: int
+    vision_hidden: int
+    vision_depth: int
+    vocab: int
+
+
+SIZES = {
+    # ~1 M parameters: the quickstart and most tests.
+    "tiny": TinySize(128, 2, 2, 2, 256, 128, 2, 1024),
+    # ~30 M parameters: rollout and actor benchmarks.
+    "small": TinySize(512, 6, 8, 4, 1408, 256, 2, 8192),
+}
+
+
+def _corpus() -> list[str]:
+    """Text to train the BPE on: the words our synthetic tasks, prompts and rewards use."""
+    colours = "red green blue yellow purple orange black white pink brown gray cyan".split()
+    shapes = "circle square triangle star ellipse rectangle shape shapes".split()
+    words = (
+        "what which how many is the of a an in image picture colour color shape count answer "
+        "question one word with only please think step by reasoning final put your within boxed "
+        "there are you assistant user system helpful and then first solve problem number value "
+        "yes no true false left right top bottom big small largest smallest total sum"
+    ).split()
+    lines = [" ".join(p) for p in itertools.product(colours, shapes)]
+    lines += [" ".join(words[i : i + 7]) for i in range(0, len(words), 3)]
+    lines += [f"{a} + {b} = {a + b}" for a in range(12) for b in range(12)]
+    lines += ["<think> reasoning </think> <answer> 42 </answer>", "\\boxed{\\frac{1}{2}} x^2 + y^2 = z^2"]
+    lines += [" ".join(map(str, range(k, k + 10))) for k in range(0, 100, 10)]
+    return lines * 4
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on `_corpus()`, with the Qwen special tokens appended."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_max_length=32768,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return fast
+
+
+def _token_ids(tokenizer) -> dict[str, int]:
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    return ids
+
+
+def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]):
+    """A transformers config for `arch` with the tiny dimensions and our token ids."""
+    from transformers import AutoConfig
+
+    head_dim = size.hidden // size.heads
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen2":
+        return AutoConfig.for_model("qwen2", **text, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    # mrope splits head_dim/2 rotary frequencies over (temporal, height, width).
+    half = head_dim // 2
+    section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section}
+    vision_ids = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    vh, vd, vheads = size.vision_hidden, size.vision_depth, size.vision_hidden // 64
+    if arch == "qwen2_5_vl":
+        vision = dict(depth=vd, hidden_size=vh, intermediate_size=2 * vh, num_heads=vheads, out_hidden_size=size.hidden,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                      fullatt_block_indexes=[vd - 1])  # fmt: skip
+    elif arch == "qwen2_vl":
+        vision = dict(depth=vd, embed_dim=vh, hidden_size=size.hidden, num_heads=vheads, mlp_ratio=2,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    else:  # qwen3_vl
+        rope["mrope_interleaved"] = True
+        text["head_dim"] = head_dim
+        vision = dict(depth=vd, hidden_size=vh, intermediate_size=2 * vh, num_heads=vheads, out_hidden_size=size.hidden,
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=144,
+                      deepstack_visual_indexes=[vd - 1])  # fmt: skip
+    text["rope_parameters"] = rope
+    return AutoConfig.for_model(arch, text_config=text, vision_config=vision, **vision_ids, tie_word_embeddings=False)
+
+
+def build_processor(arch: str, tokenizer, min_pixels: int, max_pixels: int):
+    """Image + video processors and the multimodal processor for `arch`."""
+    from transformers import AutoProcessor  # noqa: F401  (registers processor classes)
+
+    if arch == "qwen3_vl":
+        from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+        patch, processor_cls, video_cls = 16, Qwen3VLProcessor, Qwen3VLVideoProcessor
+    else:
+        from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+        patch, video_cls = 14, Qwen2VLVideoProcessor
+        processor_cls = Qwen2_5_VLProcessor if arch == "qwen2_5_vl" else Qwen2VLProcessor
+    pixels = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    image = Qwen2VLImageProcessor(patch_size=patch, merge_size=2, temporal_patch_size=2, size=pixels)
+    video = video_cls(patch_size=patch, merge_size=2, temporal_patch_size=2, size=pixels)
+    return processor_cls(image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=CHAT_TEMPLATE)
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    arch: str = "qwen2_5_vl",
+    size: str = "tiny",
+    seed: int = 0,
+    min_pixels: int = 28 * 28 * 4,
+    max_pixels: int = 28 * 28 * 64,
+) -> Path:
+    """Write a loadable model folder for `arch` into `out_dir` and return its path."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dims = SIZES[size]
+    tokenizer = build_tokenizer(dims.vocab)
+    ids = _token_ids(tokenizer)
+    config = build_config(arch, dims, len(tokenizer), ids)
+    torch.manual_seed(seed)
+    model_cls = AutoModelForCausalLM if arch == "qwen2" else AutoModelForImageTextToText
+    model = model_cls.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    model.save_pretrained(out)
+    if arch in VISION_ARCHS:
+        build_processor(arch, tokenizer, min_pixels, max_pixels).save_pretrained(out)
+    else:
+        tokenizer.save_pretrained(out)
+    (out / "vlrl_tiny.json").write_text(json.dumps({"arch": arch, "size": size, "seed": seed}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", default="qwen2_5_vl", choices=ARCHS)
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = build_tiny_model(args.out_dir, args.arch, args.size, args.seed)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    print(f"wrote {args.arch} ({args.size}, {n_params / 1e6:.2f} M parameters) to {out}")
+
+
+if __name__ == "__main__":
+    main()

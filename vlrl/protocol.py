@@ -1,0 +1,116 @@
+"""Typed batches passed between the stages of a step.
+
+    dataloader -> PromptBatch -> rollout -> RolloutBatch -> rewards / log-probs / update
+
+Every field is either a tensor whose first dimension is the batch, or a list with one entry per
+sample. `SampleBatch` gives both kinds the same row operations (select, chunk, concat, repeat),
+so a reordering or split always moves every field together and nothing is keyed by strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, TypeVar
+
+import torch
+
+B = TypeVar("B", bound="SampleBatch")
+
+
+class SampleBatch:
+    """Row operations shared by the batch dataclasses. Fields that are None are carried as None."""
+
+    def __len__(self) -> int:
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, (torch.Tensor, list)):
+                return len(value)
+        return 0
+
+    def select(self: B, index: torch.Tensor | list[int]) -> B:
+        """Rows `index` (a list of ints or a 1-D long/bool tensor), in that order."""
+        if isinstance(index, torch.Tensor):
+            index = index.nonzero().flatten().tolist() if index.dtype == torch.bool else index.tolist()
+        rows = list(index)
+        picked = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                picked[f.name] = value[torch.as_tensor(rows, dtype=torch.long)]
+            elif isinstance(value, list):
+                picked[f.name] = [value[i] for i in rows]
+        return replace(self, **picked)
+
+    def chunk(self: B, chunks: int) -> list[B]:
+        """Split into `chunks` contiguous, equal parts (the length must divide evenly)."""
+        n = len(self)
+        if n % chunks:
+            raise ValueError(f"cannot split a batch of {n} rows into {chunks} equal chunks")
+        size = n // chunks
+        return [self.select(list(range(i * size, (i + 1) * size))) for i in range(chunks)]
+
+    def repeat_interleave(self: B, repeats: int) -> B:
+        """Each row repeated `repeats` times, copies adjacent (a GRPO group stays contiguous)."""
+        return self.select([i for i in range(len(self)) for _ in range(repeats)])
+
+    @classmethod
+    def concat(cls: type[B], batches: list[B]) -> B:
+        """Rows of all `batches` in order. Tensors must share trailing shapes (pad first)."""
+        if not batches:
+            raise ValueError("concat needs at least one batch")
+        merged = {}
+        for f in fields(batches[0]):  # type: ignore[arg-type]
+            values = [getattr(b, f.name) for b in batches]
+            if isinstance(values[0], torch.Tensor):
+                merged[f.name] = torch.cat(values, dim=0)
+            elif isinstance(values[0], list):
+                merged[f.name] = [item for value in values for item in value]
+            else:
+                merged[f.name] = values[0]
+        return replace(batches[0], **merged)
+
+
+@dataclass
+class PromptBatch(SampleBatch):
+    """Prompts from the dataloader. P = longest prompt in the batch (after image tokens expand)."""
+
+    input_ids: torch.Tensor  # [B, P] long, left-padded, image placeholders expanded
+    attention_mask: torch.Tensor  # [B, P] long, 1 on real tokens
+    position_ids: torch.Tensor  # [B, P] (text models) or [B, 3, P] (mrope: temporal, height, width)
+    raw_prompt_ids: list[list[int]]  # unexpanded ids (one <|image_pad|> per image) for the rollout engine
+    images: list[list[Any]]  # PIL images per prompt, already resized to the pixel bounds ([] if none)
+    prompts: list[str]  # the rendered prompt text (chat template applied), for rewards and logs
+    ground_truths: list[Any]  # answer column per prompt
+    extras: list[dict[str, Any]]  # every other dataset column, passed to the reward function
+    uids: list[int]  # a unique id per prompt: becomes the group id of its n responses
+
+
+@dataclass
+class RolloutBatch(SampleBatch):
+    """Prompts with their sampled responses. N = prompts x n (group members adjacent), R = longest response."""
+
+    input_ids: torch.Tensor  # [N, P + R] prompt (left-padded) + response (right-padded)
+    attention_mask: torch.Tensor  # [N, P + R]
+    position_ids: torch.Tensor  # [N, P + R] or [N, 3, P + R]; response positions continue the prompt's
+    responses: torch.Tensor  # [N, R] response token ids, right-padded with the pad id
+    response_mask: torch.Tensor  # [N, R] 1 up to and including the first EOS
+    group_ids: torch.Tensor  # [N] long: samples of one prompt share an id
+    prompt_length: int  # P: the response starts at column P of input_ids
+    images: list[list[Any]]
+    prompts: list[str]
+    ground_truths: list[Any]
+    extras: list[dict[str, Any]]
+    rollout_log_probs: torch.Tensor | None = None  # [N, R] engine's log-probs of the sampled tokens
+    # Filled by later stages of the step:
+    token_level_scores: torch.Tensor | None = None  # [N, R] reward on the last response token
+    token_level_rewards: torch.Tensor | None = None  # [N, R] scores minus the KL penalty (if in reward)
+    old_log_probs: torch.Tensor | None = None  # [N, R] actor before the update
+    ref_log_probs: torch.Tensor | None = None  # [N, R] reference policy
+    advantages: torch.Tensor | None = None  # [N, R]
+    returns: torch.Tensor | None = None  # [N, R]
+    reward_parts: list[dict[str, float]] | None = None  # per-sample reward parts (overall, accuracy ...)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """[N] number of valid response tokens."""
+        return self.response_mask.sum(-1)
