@@ -1,0 +1,158 @@
+"""Config loading, overrides and validation: every error names the key and says what to change."""
+
+from pathlib import Path
+
+import pytest
+
+from vlrl.config import ConfigError
+from vlrl.config_loader import describe, field_docs, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> list[str]:
+    """Overrides that make a valid config (model folder and reward file need only exist)."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def main(inputs):\n    return [{'overall': 0.0} for _ in inputs]\n")
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    return [
+        f"worker.actor.model.model_path={tmp_path}",
+        f"worker.reward.reward_function={reward}:main",
+        f"data.train_files={data}",
+        "data.rollout_batch_size=8",
+        "worker.actor.global_batch_size=4",
+        "worker.actor.micro_batch_size_per_device_for_update=2",
+        "worker.rollout.n=4",
+        "trainer.n_gpus_per_node=2",
+        "trainer.device=cpu",
+    ]
+
+
+def test_defaults_yaml_then_overrides(tmp_path: Path, base: list[str]) -> None:
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("worker:\n  rollout:\n    n: 8\n    temperature: 0.7\ntrainer:\n  logger: [console]\n")
+    config = load_config([f"config={yaml_file}", *base, "worker.rollout.temperature=0.9"])
+    assert config.worker.rollout.n == 4  # the override comes after the file
+    assert config.worker.rollout.temperature == 0.9
+    assert config.trainer.logger == ["console"]
+    assert config.data.max_prompt_length == 512  # default kept
+    # derived in one place
+    assert config.worker.rollout.max_model_len == 1024
+    assert config.worker.actor.model.tokenizer_path == config.worker.actor.model.model_path
+    assert config.world_size == 2 and config.samples_per_step == 32
+    assert config.samples_per_minibatch_per_rank == 8
+
+
+def test_override_value_types(base: list[str]) -> None:
+    config = load_config(
+        [
+            *base,
+            "algorithm.kl_coef=1e-2",  # YAML reads this as a string; coerced to float
+            "worker.actor.optim.betas=[0.9,0.95]",
+            'worker.reward.reward_function_kwargs={"format_weight": 0.5}',
+            "worker.rollout.val_override_config={temperature: 0, n: 1}",
+            "trainer.logger=console",
+            "trainer.max_steps=null",
+        ]
+    )
+    assert config.algorithm.kl_coef == pytest.approx(0.01)
+    assert config.worker.actor.optim.betas == [0.9, 0.95]
+    assert config.worker.reward.reward_function_kwargs == {"format_weight": 0.5}
+    assert config.worker.rollout.val_override_config == {"temperature": 0, "n": 1}
+    assert config.trainer.logger == ["console"]
+    assert config.trainer.max_steps is None
+
+
+def test_frozen_after_finalize(base: list[str]) -> None:
+    config = load_config(base)
+    with pytest.raises(AttributeError, match="frozen"):
+        config.worker.rollout.n = 3
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("worker.rollout.temprature=0.5", r"unknown config key 'worker.rollout.temprature'; did you mean worker.rollout.temperature\?"),
+        ("data.rollout_bach_size=8", r"did you mean data.rollout_batch_size\?"),
+        ("trainer.nope.x=1", r"unknown config key 'trainer.nope'"),
+        ("worker.rollout.n=four", r"worker.rollout.n must be of type int, got 'four'"),
+        ("worker.rollout.n=true", r"worker.rollout.n must be of type int"),
+        ("trainer.logger=5", r"trainer.logger\[0\] must be of type str|trainer.logger must be a list"),
+        ("worker.reward.reward_function_kwargs=[1]", r"worker.reward.reward_function_kwargs must be a mapping"),
+    ],
+)
+def test_bad_keys_and_types(base: list[str], override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config([*base, override])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.rollout_batch_size=6"], "data.rollout_batch_size=6 must be divisible by worker.actor.global_batch_size=4"),
+        (["worker.actor.global_batch_size=1", "data.rollout_batch_size=1", "worker.rollout.n=3"],
+         r"worker.actor.global_batch_size=1 x worker.rollout.n=3 must be divisible by the world size 2"),
+        (["worker.actor.micro_batch_size_per_device_for_update=3"],
+         "each rank gets 8 samples per optimizer step .* divisible by worker.actor.micro_batch_size_per_device_for_update=3"),
+        (["worker.rollout.n=1", "worker.actor.global_batch_size=2", "data.rollout_batch_size=4",
+          "worker.actor.micro_batch_size_per_device_for_update=1"],
+         "algorithm.adv_estimator=grpo compares samples of one prompt: set worker.rollout.n >= 2"),
+        (["worker.rollout.tensor_parallel_size=3"], "worker.rollout.tensor_parallel_size=3 must divide the world size 2"),
+        (["worker.rollout.max_model_len=100"], r"worker.rollout.max_model_len=100 < data.max_prompt_length \+ data.max_response_length = 1024"),
+        (["worker.rollout.max_num_batched_tokens=512"], "worker.rollout.max_num_batched_tokens=512 < prompt \\+ response length 1024"),
+        (["algorithm.adv_estimator=grpoo"], r"algorithm.adv_estimator='grpoo' is unknown; choose one of \["),
+        (["algorithm.kl_penalty=k9"], "algorithm.kl_penalty='k9' is unknown"),
+        (["worker.actor.loss_avg_mode=mean"], "worker.actor.loss_avg_mode='mean' is unknown"),
+        (["worker.actor.clip_ratio_dual=1.0"], "worker.actor.clip_ratio_dual=1.0 must be > 1"),
+        (["worker.reward.reward_function=/no/such/file.py:fn"], "worker.reward.reward_function: file '/no/such/file.py' does not exist"),
+        (["worker.reward.reward_function=null"], "worker.reward.reward_function is required"),
+        (["trainer.logger=[console,mlflow]"], r"trainer.logger has unknown entries \['mlflow'\]"),
+        (["worker.rollout.val_override_config={temprature: 0}"], r"val_override_config has unknown keys \['temprature'\]"),
+        (["algorithm.online_filtering=true", "algorithm.filter_low=0.9", "algorithm.filter_high=0.1"],
+         "algorithm.filter_low=0.9 must be < algorithm.filter_high=0.1"),
+        (["data.format_prompt=/no/template.jinja"], "data.format_prompt: file '/no/template.jinja' does not exist"),
+    ],
+)  # fmt: skip
+def test_cross_field_rules(base: list[str], overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config([*base, *overrides])
+
+
+def test_all_errors_reported_at_once(base: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config([*base, "data.rollout_batch_size=6", "algorithm.kl_penalty=k9"])
+    assert "rollout_batch_size=6" in str(info.value) and "kl_penalty='k9'" in str(info.value)
+
+
+def test_bad_argument_and_missing_file() -> None:
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        load_config(["worker.rollout.n"])
+    with pytest.raises(ConfigError, match="config file 'missing.yaml' does not exist"):
+        load_config(["config=missing.yaml"])
+
+
+def test_every_field_has_a_docstring() -> None:
+    from dataclasses import fields, is_dataclass
+
+    from vlrl import config as cfg
+
+    for cls in (cfg.DataConfig, cfg.AlgorithmConfig, cfg.ModelConfig, cfg.OptimConfig, cfg.FSDPConfig,
+                cfg.OffloadConfig, cfg.ActorConfig, cfg.RefConfig, cfg.RolloutConfig, cfg.RewardConfig,
+                cfg.TrainerConfig):  # fmt: skip
+        docs = field_docs(cls)
+        for f in fields(cls):
+            if not is_dataclass(f.type) and not f.name in ("model", "optim", "fsdp", "offload"):
+                assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
+
+
+def test_describe_lists_every_leaf(base: list[str]) -> None:
+    lines = describe(load_config(base))
+    assert any(line.startswith("worker.rollout.n = 4") and "GRPO group size" in line for line in lines)
+
+
+def test_example_configs_load() -> None:
+    """Every YAML in examples/ parses into the config tree (paths are not checked here)."""
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        load_config([f"config={path}"], finalize=False)

@@ -1,0 +1,86 @@
+"""The tiny-model builder writes folders that transformers and vLLM load unchanged."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from vlrl.models.tiny import SPECIAL_TOKENS, VISION_ARCHS, build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: build_tiny_model(root / arch, arch=arch) for arch in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen2")}
+
+
+def _inputs(arch: str, path: Path):
+    from transformers import AutoProcessor, AutoTokenizer
+
+    if arch in VISION_ARCHS:
+        processor = AutoProcessor.from_pretrained(path)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it"}]}]
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        image = Image.new("RGB", (56, 84), (255, 0, 0))
+        return processor.tokenizer, text, processor(text=[text], images=[image], return_tensors="pt")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "what colour"}], tokenize=False, add_generation_prompt=True)
+    return tokenizer, text, tokenizer(text, return_tensors="pt")
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen2"])
+def test_transformers_round_trip(tiny_dirs: dict[str, Path], arch: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    path = tiny_dirs[arch]
+    tokenizer, text, enc = _inputs(arch, path)
+    # The chat template keeps Qwen's turn layout, newlines included.
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert all(tokenizer.convert_tokens_to_ids(t) != tokenizer.unk_token_id for t in SPECIAL_TOKENS)
+    cls = AutoModelForImageTextToText if arch in VISION_ARCHS else AutoModelForCausalLM
+    model = cls.from_pretrained(path).eval()
+    if arch in VISION_ARCHS:
+        # a 56x84 image = 4x6 patches of 14 (or 16 -> resized), merged 2x2: the pads match the grid
+        grid = enc["image_grid_thw"][0]
+        n_pad = (enc["input_ids"] == model.config.image_token_id).sum().item()
+        assert n_pad == int(grid.prod()) // 4
+    logits = model(**enc).logits
+    assert logits.shape == (1, enc["input_ids"].shape[1], len(tokenizer))
+    assert torch.isfinite(logits).all()
+    out = model.generate(**enc, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > enc["input_ids"].shape[1]
+
+
+def test_deterministic_for_a_seed(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    a = load_file(build_tiny_model(tmp_path / "a", seed=3) / "model.safetensors")
+    b = load_file(build_tiny_model(tmp_path / "b", seed=3) / "model.safetensors")
+    c = load_file(build_tiny_model(tmp_path / "c", seed=4) / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
+    assert json.loads((tmp_path / "a" / "vlrl_tiny.json").read_text())["seed"] == 3
+
+
+def test_unknown_arch_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown arch 'llava'"):
+        build_tiny_model(tmp_path, arch="llava")
+
+
+@pytest.mark.slow
+def test_vllm_generates_with_an_image(tiny_dirs: dict[str, Path]) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_dirs["qwen2_5_vl"]), dtype="bfloat16", enforce_eager=True, max_model_len=512,
+              limit_mm_per_prompt={"image": 1}, gpu_memory_utilization=0.2, seed=0)  # fmt: skip
+    prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what colour<|im_end|>\n<|im_start|>assistant\n"
+    image = Image.new("RGB", (56, 56), (0, 0, 255))
+    outputs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": image}}] * 2,
+                           SamplingParams(max_tokens=6, temperature=1.0))  # fmt: skip
+    assert len(outputs) == 2
+    assert all(len(o.outputs[0].token_ids) > 0 for o in outputs)
+    # the engine expanded the single image pad into the image's tokens (56x56 -> 2x2 merged = 4)
+    assert len(outputs[0].prompt_token_ids) == len(llm.get_tokenizer().encode(prompt)) + 3

@@ -1,0 +1,61 @@
+"""Driver-side split and merge: padding to common widths keeps every token where it belongs."""
+
+import torch
+
+from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.trainer.dispatch import gather_rows, merge_rollouts, split_prompts
+
+PAD = 0
+
+
+def _prompts(n: int) -> PromptBatch:
+    return PromptBatch(
+        input_ids=torch.arange(n * 2).view(n, 2), attention_mask=torch.ones(n, 2, dtype=torch.long),
+        position_ids=torch.zeros(n, 2, dtype=torch.long), raw_prompt_ids=[[i] for i in range(n)],
+        images=[[] for _ in range(n)], prompts=[f"p{i}" for i in range(n)], ground_truths=list(range(n)),
+        extras=[{} for _ in range(n)], uids=list(range(n)),
+    )  # fmt: skip
+
+
+def _rollout(prompt: list[int], response: list[int], eos_at: int, gid: int) -> RolloutBatch:
+    p, r = len(prompt), len(response)
+    ids = torch.tensor([prompt + response])
+    return RolloutBatch(
+        input_ids=ids, attention_mask=(ids != PAD).long(), position_ids=torch.arange(p + r).view(1, -1),
+        responses=torch.tensor([response]), response_mask=torch.tensor([[1] * eos_at + [0] * (r - eos_at)]),
+        group_ids=torch.tensor([gid]), prompt_length=p, images=[[]], prompts=["x"], ground_truths=[None],
+        extras=[{}], rollout_log_probs=torch.full((1, r), -1.0),
+    )  # fmt: skip
+
+
+def test_split_prompts_by_data_parallel_group() -> None:
+    shards = split_prompts(_prompts(5), world_size=4, tp_size=2)
+    # two DP groups of 2 ranks; TP peers get identical prompts; sizes differ by at most one
+    assert [s.uids for s in shards] == [[0, 1], [0, 1], [2, 3, 4], [2, 3, 4]]
+
+
+def test_merge_pads_prompt_left_and_response_right() -> None:
+    a = _rollout([0, 5, 6], [7, 8], eos_at=2, gid=0)  # P=3 (one left pad), R=2
+    b = _rollout([9, 10], [11, 12, 13, 14], eos_at=3, gid=1)  # P=2, R=4
+    merged = merge_rollouts([a, b], tp_size=1, pad_token_id=PAD)
+    assert merged.prompt_length == 3
+    assert merged.input_ids.tolist() == [[0, 5, 6, 7, 8, 0, 0], [0, 9, 10, 11, 12, 13, 14]]
+    assert merged.attention_mask.tolist() == [[0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1]]
+    assert merged.responses.tolist() == [[7, 8, 0, 0], [11, 12, 13, 14]]
+    assert merged.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]]
+    # the response columns of input_ids are exactly `responses`
+    assert torch.equal(merged.input_ids[:, merged.prompt_length :], merged.responses)
+    assert merged.rollout_log_probs.tolist() == [[-1, -1, 0, 0], [-1, -1, -1, -1]]
+    assert merged.group_ids.tolist() == [0, 1]
+
+
+def test_merge_takes_one_rank_per_tensor_parallel_group() -> None:
+    a, b = _rollout([1], [2], 1, 0), _rollout([3], [4], 1, 1)
+    merged = merge_rollouts([a, a, b, b], tp_size=2, pad_token_id=PAD)
+    assert merged.group_ids.tolist() == [0, 1]
+
+
+def test_gather_rows_restores_order() -> None:
+    shards = [[2, 0], [1, 3]]
+    values = [torch.tensor([[20.0], [0.0]]), torch.tensor([[10.0], [30.0]])]
+    assert gather_rows(shards, values, 4).flatten().tolist() == [0.0, 10.0, 20.0, 30.0]

@@ -1,0 +1,76 @@
+"""Command line: `python -m vlrl.trainer.main config=FILE.yaml key.sub=value ...`
+
+    --help                 every config key with its default and docstring
+    print_config=true      print the resolved config (after the file and overrides) and exit
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from vlrl.config import ConfigError
+
+
+def _usage() -> str:
+    from vlrl.config import PPOConfig
+    from vlrl.config_loader import describe
+
+    return (__doc__ or "") + "\nConfig keys (defaults):\n  " + "\n  ".join(describe(PPOConfig()))
+
+
+def run(argv: list[str]) -> int:
+    from vlrl.config_loader import describe, load_config
+
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(_usage())
+        return 0
+    show = "print_config=true" in argv
+    argv = [arg for arg in argv if not arg.startswith("print_config=")]
+    config = load_config(argv)
+    if show:
+        print("\n".join(describe(config)))
+        return 0
+    from vlrl.trainer.ray_trainer import RayPPOTrainer
+    from vlrl.trainer.summary import write_summary
+
+    trainer = None
+    try:
+        trainer = RayPPOTrainer(config)
+        history = trainer.fit()
+        write_summary(history, config)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        _stop_ray()
+    return 0
+
+
+def _stop_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        sys.exit(run(sys.argv[1:]))
+    except ConfigError as exc:
+        print(f"vlrl: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        # Workers and engines are stopped by the `finally` above; an interrupted save is a
+        # `.tmp` folder that is never resumed from.
+        print("vlrl: interrupted; the latest complete checkpoint is kept", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 (show the cause, not a wall of traces; VLRL_DEBUG=1 shows all)
+        if os.environ.get("VLRL_DEBUG"):
+            raise
+        print(f"vlrl: training failed: {type(exc).__name__}: {exc}\n(set VLRL_DEBUG=1 for the full trace)", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

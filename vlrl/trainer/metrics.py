@@ -1,0 +1,78 @@
+"""Per-step metrics computed on the driver from the step's batch, and phase timing."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from vlrl.protocol import RolloutBatch
+
+
+class PhaseTimer:
+    """Wall time of each named phase of a step: `with timer("gen"): ...` -> timing/gen."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing/{name}": value for name, value in self.seconds.items()}
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    if values.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(), f"{prefix}/min": values.min().item()}
+
+
+def batch_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:
+    """Rewards, advantages and lengths of one step's batch."""
+    mask = batch.response_mask.bool()  # [N, R]
+    response_len = batch.response_mask.sum(-1)  # [N]
+    prompt_len = batch.attention_mask[:, : batch.prompt_length].sum(-1)  # [N]
+    scores = batch.token_level_scores.sum(-1)  # [N]
+    metrics = {
+        **_stats("critic/score", scores),
+        **_stats("critic/rewards", batch.token_level_rewards.sum(-1)),
+        **_stats("critic/advantages", batch.advantages[mask]),
+        **_stats("response_length", response_len),
+        **_stats("prompt_length", prompt_len),
+        "response_length/clip_ratio": (response_len >= max_response_length).float().mean().item(),
+    }
+    if batch.rollout_log_probs is not None and batch.old_log_probs is not None:
+        # drift between the engine's and the actor's log-probs of the same tokens (numerics, stale weights)
+        diff = (batch.rollout_log_probs - batch.old_log_probs).abs()[mask]
+        metrics["rollout/log_prob_diff_max"] = diff.max().item() if diff.numel() else 0.0
+        metrics["rollout/log_prob_diff_mean"] = diff.mean().item() if diff.numel() else 0.0
+    return metrics
+
+
+def throughput_metrics(batch: RolloutBatch, step_seconds: float, world_size: int) -> dict[str, float]:
+    tokens = batch.attention_mask.sum().item()
+    return {
+        "perf/total_tokens": float(tokens),
+        "perf/tokens_per_s": tokens / max(step_seconds, 1e-9),
+        "perf/tokens_per_s_per_rank": tokens / max(step_seconds, 1e-9) / world_size,
+        "perf/step_time_s": step_seconds,
+    }
+
+
+def mean_reward_parts(parts: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    """`prefix/<name>` means of every reward part over the samples."""
+    sums: dict[str, float] = defaultdict(float)
+    for sample in parts:
+        for name, value in sample.items():
+            sums[name] += value
+    return {f"{prefix}/{name}": total / max(len(parts), 1) for name, total in sums.items()}

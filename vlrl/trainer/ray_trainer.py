@@ -1,0 +1,264 @@
+"""The single controller: `RayPPOTrainer.fit()` runs the GRPO-family loop over the rank workers.
+
+One step, top to bottom (see `train_step`):
+  1. generate   n responses per prompt on every rank's rollout engine (its data-parallel shard)
+  2. reward     decode and score the responses in the reward worker processes
+     (online filtering: drop groups whose mean reward is at a bound, generate more, repeat)
+  3. log-probs  old-policy and reference log-probs on the ranks (token-balanced shards)
+  4. KL         penalty in the reward (unless it is a loss term)
+  5. advantages from the token-level rewards and the groups
+  6. update     the actor on the ranks, then push the weights to the engines
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import torch
+
+from vlrl.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, compute_advantages, filter_groups
+from vlrl.config import PPOConfig
+from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.rewards import RewardRunner, build_reward_inputs, scores_to_token_level
+from vlrl.trainer.checkpoint import CheckpointManager, read_state
+from vlrl.trainer.data_setup import TrainingData
+from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, split_prompts
+from vlrl.trainer.loggers import Tracker
+from vlrl.trainer.metrics import PhaseTimer, batch_metrics, mean_reward_parts, throughput_metrics
+from vlrl.trainer.ray_workers import RankGroup, start_ray
+
+
+class RayPPOTrainer:
+    def __init__(self, config: PPOConfig) -> None:
+        self.config = config
+        self.data = TrainingData(config)
+        self.tokenizer = self.data.tokenizer
+        self.rewards = RewardRunner(config.worker.reward)  # a bad reward file fails here, at start-up
+        algo = config.algorithm
+        self.kl_ctrl = (
+            AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
+            if algo.kl_type == "adaptive"
+            else FixedKLController(algo.kl_coef)
+        )
+        self.checkpoints = CheckpointManager(config.trainer.save_checkpoint_path, config.trainer.save_limit)
+        self.run_dir = os.path.join(config.trainer.save_checkpoint_path, "logs")
+        self.tracker = Tracker(config.trainer.logger, config.trainer.project_name, config.trainer.experiment_name,
+                               self.run_dir, config.to_dict())  # fmt: skip
+        self.global_step = 0
+        self.total_steps = self._total_steps()
+        self.history: list[dict[str, float]] = []  # per-step metrics, for the summary and the plot
+        start_ray(config)
+        self.ranks = RankGroup(config)
+        self.ranks.call_all("setup", self.data.max_images_per_prompt)
+
+    def _total_steps(self) -> int:
+        steps = len(self.data.train_loader) * self.config.trainer.total_epochs
+        if self.config.trainer.max_steps is not None:
+            steps = min(steps, self.config.trainer.max_steps)
+        return steps
+
+    # ------------------------------------------------------------------------------ the loop
+    def fit(self) -> list[dict[str, float]]:
+        from tqdm import tqdm
+
+        self._resume()
+        trainer = self.config.trainer
+        if (trainer.val_before_train or trainer.val_only) and self.data.val_loader is not None and self.global_step == 0:
+            self.tracker.log(self.validate(), step=0)
+            if trainer.val_only:
+                return self.history
+        progress = tqdm(total=self.total_steps, initial=self.global_step, desc="steps", disable=None)
+        while self.global_step < self.total_steps:
+            self.global_step += 1
+            metrics = self.train_step(self.data.next_train_batch())
+            last = self.global_step == self.total_steps
+            val_score = None
+            if self.data.val_loader is not None and (last or (trainer.val_freq > 0 and self.global_step % trainer.val_freq == 0)):
+                val_metrics = self.validate()
+                metrics.update(val_metrics)
+                val_score = val_metrics.get("val/overall")
+            if last or (trainer.save_freq > 0 and self.global_step % trainer.save_freq == 0):
+                self.save_checkpoint(val_score)
+            self.history.append({"step": self.global_step, **metrics})
+            self.tracker.log(metrics, step=self.global_step)
+            progress.update(1)
+        progress.close()
+        return self.history
+
+    def train_step(self, prompts: PromptBatch) -> dict[str, float]:
+        algo, world = self.config.algorithm, self.config.world_size
+        timer, metrics = PhaseTimer(), {}
+        with timer("step"):
+            # 1-2. generate and score (refilled by online filtering until the batch is full)
+            batch, reward_metrics = self._generate_scored_batch(prompts, timer)
+            metrics.update(reward_metrics)
+            # 3. old and reference log-probs, on token-balanced shards
+            with timer("old_ref"):
+                shards = balanced_shards(batch, world)
+                results = self.ranks.call("compute_log_probs", [batch.select(i) for i in shards])
+                n = len(batch)
+                batch.old_log_probs = gather_rows(shards, [old for old, _ in results], n)
+                if results[0][1] is not None:
+                    batch.ref_log_probs = gather_rows(shards, [ref for _, ref in results], n)
+            # 4. KL penalty in the reward (GRPO instead puts KL in the loss: algorithm.use_kl_loss)
+            with timer("adv"):
+                batch.token_level_rewards = batch.token_level_scores
+                if batch.ref_log_probs is not None and not algo.use_kl_loss:
+                    batch.token_level_rewards, current_kl = apply_kl_penalty(
+                        batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs,
+                        batch.response_mask, self.kl_ctrl.value, algo.kl_penalty,
+                    )  # fmt: skip
+                    self.kl_ctrl.update(current_kl, n_steps=len(batch))
+                    metrics.update({"critic/kl": current_kl, "critic/kl_coef": self.kl_ctrl.value})
+                # 5. advantages
+                batch.advantages, batch.returns = compute_advantages(
+                    algo.adv_estimator, batch.token_level_rewards, batch.response_mask, batch.group_ids,
+                    gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std_in_grpo,
+                    baseline_scores=self._remax_baselines(batch) if algo.adv_estimator == "remax" else None,
+                )  # fmt: skip
+            # 6. actor update, then weight sync to the engines
+            with timer("update"):
+                shards = balanced_shards(batch, world)
+                update_metrics = self.ranks.call("update", [batch.select(i) for i in shards])
+            metrics.update(_mean_over_ranks(update_metrics))
+        metrics.update(batch_metrics(batch, self.config.data.max_response_length))
+        metrics.update(timer.metrics())
+        metrics.update(throughput_metrics(batch, timer.seconds["step"], world))
+        metrics["training/epoch"] = float(self.data.epoch)
+        return metrics
+
+    # ------------------------------------------------------------------------ generation
+    def _generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch:
+        rollout = self.config.worker.rollout
+        shards = split_prompts(prompts, self.config.world_size, rollout.tensor_parallel_size)
+        overrides = {"seed": _step_seed(rollout.seed, self.global_step), **(overrides or {})}
+        results = self.ranks.call("generate", shards, overrides=overrides)
+        return merge_rollouts(results, rollout.tensor_parallel_size, self.data.pad_token_id)
+
+    def _generate_scored_batch(self, prompts: PromptBatch, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+        """Generate and score; with online filtering, keep drawing prompts until the batch is full."""
+        algo, trainer = self.config.algorithm, self.config.trainer
+        kept: list[RolloutBatch] = []
+        n_groups, tries, metrics = 0, 0, {}
+        target = self.config.data.rollout_batch_size
+        while True:
+            tries += 1
+            with timer("gen"):
+                batch = self._generate(prompts)
+            with timer("reward"):
+                reward_metrics = self._score(batch)
+            if not kept:
+                metrics.update(reward_metrics)  # rewards before filtering: what the policy does
+            if not algo.online_filtering:
+                return batch, metrics
+            values = torch.tensor([parts.get(algo.filter_key, 0.0) for parts in batch.reward_parts])
+            keep = filter_groups(values, batch.group_ids, algo.filter_low, algo.filter_high)
+            kept.append(batch.select(keep))
+            n_groups += len(set(batch.group_ids[keep].tolist()))
+            metrics["filter/kept_ratio"] = keep.float().mean().item()
+            if n_groups >= target:
+                break
+            if 0 <= trainer.max_try_make_batch <= tries:
+                raise RuntimeError(
+                    f"online filtering kept {n_groups} of {target} groups after {tries} generation rounds "
+                    "(trainer.max_try_make_batch); most groups have all-equal rewards: widen "
+                    "algorithm.filter_low/filter_high, raise max_try_make_batch, or turn online_filtering off"
+                )
+            prompts = self.data.next_train_batch()
+        metrics["filter/tries"] = float(tries)
+        merged = merge_rollouts(kept, 1, self.data.pad_token_id)
+        return merged.select(list(range(target * self.config.worker.rollout.n))), metrics
+
+    def _score(self, batch: RolloutBatch) -> dict[str, float]:
+        """Decode, score in the reward workers, and put the score on each response's last token."""
+        lengths = batch.response_mask.sum(-1).tolist()
+        skip = self.config.worker.reward.skip_special_tokens
+        texts = [self.tokenizer.decode(row[:length], skip_special_tokens=skip)
+                 for row, length in zip(batch.responses.tolist(), lengths)]  # fmt: skip
+        inputs = build_reward_inputs(texts, lengths, batch.prompts, batch.ground_truths, batch.extras)
+        result = self.rewards.score(inputs)
+        batch.reward_parts = result.scores
+        overall = torch.tensor([s["overall"] for s in result.scores], dtype=torch.float32)
+        batch.token_level_scores = scores_to_token_level(overall, batch.response_mask)
+        return result.metrics()
+
+    def _remax_baselines(self, batch: RolloutBatch) -> torch.Tensor:
+        """ReMax: the reward of a greedy response to the same prompt is each sample's baseline."""
+        n = self.config.worker.rollout.n
+        prompts = self._prompts_of(batch.select(list(range(0, len(batch), n))))
+        greedy = self._generate(prompts, {"n": 1, "temperature": 0.0})
+        self._score(greedy)
+        return torch.tensor([s["overall"] for s in greedy.reward_parts]).repeat_interleave(n)
+
+    def _prompts_of(self, batch: RolloutBatch) -> PromptBatch:
+        return self.data.prompts_for_uids(batch.group_ids.tolist())
+
+    # ------------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        overrides = dict(self.config.worker.rollout.val_override_config)
+        parts: list[dict[str, float]] = []
+        samples: list[dict[str, Any]] = []
+        lengths = []
+        start = time.perf_counter()
+        for prompts in self.data.val_loader:
+            batch = self._generate(prompts, overrides)
+            self._score(batch)
+            parts.extend(batch.reward_parts)
+            lengths.extend(batch.response_mask.sum(-1).tolist())
+            if len(samples) < self.config.trainer.val_generations_to_log:
+                samples.extend(self._generation_samples(batch))
+        metrics = mean_reward_parts(parts, "val")
+        metrics["val/response_length"] = sum(lengths) / max(len(lengths), 1)
+        metrics["timing/validation"] = time.perf_counter() - start
+        if samples:
+            self.tracker.log_generations(samples[: self.config.trainer.val_generations_to_log], self.global_step)
+        return metrics
+
+    def _generation_samples(self, batch: RolloutBatch) -> list[dict[str, Any]]:
+        lengths = batch.response_mask.sum(-1).tolist()
+        return [
+            {"prompt": prompt[-200:], "response": self.tokenizer.decode(row[:n], skip_special_tokens=True),
+             "ground_truth": truth, "score": parts.get("overall")}
+            for prompt, row, n, truth, parts in zip(batch.prompts, batch.responses.tolist(), lengths,
+                                                     batch.ground_truths, batch.reward_parts)
+        ]  # fmt: skip
+
+    # ------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, val_score: float | None) -> str:
+        with_hf = self.config.trainer.save_model_only
+
+        def write_actor(folder: str) -> None:
+            self.ranks.call_all("save_checkpoint", folder, with_hf)
+
+        state = {"dataloader": self.data.state_dict(), "kl_coef": self.kl_ctrl.value}
+        return self.checkpoints.save(self.global_step, write_actor, state, val_score)
+
+    def _resume(self) -> None:
+        trainer = self.config.trainer
+        path = trainer.load_checkpoint_path or (self.checkpoints.latest() if trainer.find_last_checkpoint else None)
+        if path is None:
+            return
+        state = read_state(path)
+        self.ranks.call_all("load_checkpoint", os.path.join(path, "actor"))
+        self.data.load_state_dict(state["dataloader"])
+        self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
+        self.global_step = state["global_step"]
+        print(f"[vlrl] resumed from {path} at step {self.global_step}", flush=True)
+
+    def close(self) -> None:
+        self.tracker.close()
+        self.rewards.close()
+        self.ranks.shutdown()
+
+
+def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    keys = per_rank[0].keys()
+    return {k: sum(m[k] for m in per_rank) / len(per_rank) for k in keys if all(math.isfinite(m[k]) for m in per_rank)}
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """Sampling seed of a step: a function of (seed, step) only, so a resumed run samples the same."""
+    return (seed * 1_000_003 + step) % (2**31 - 1)

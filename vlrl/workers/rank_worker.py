@@ -1,0 +1,107 @@
+"""The per-rank Ray actor: one process holding an actor shard (FSDP2), a rollout engine (vLLM SPMD
+or HF) and, when KL is on, a reference policy. The driver calls one method per phase of a step.
+
+Each method runs on every rank at once (the driver sends one shard per rank), because the
+FSDP all-gathers and the weight sync are collectives: a rank that skipped a call would hang the others.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from vlrl.config import PPOConfig
+from vlrl.protocol import PromptBatch, RolloutBatch
+
+
+class RankWorker:
+    """Wrapped with `ray.remote` by the trainer (see `vlrl.trainer.workers.start_rank_workers`)."""
+
+    def __init__(self, config: PPOConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        _init_process_group(config.trainer.device, rank, world_size, master_addr, master_port)
+        self.device = torch.device(
+            f"cuda:{torch.cuda.current_device()}" if config.trainer.device == "cuda" else "cpu"
+        )
+        self.actor = self.reference = self.rollout = None
+
+    def setup(self, limit_images: int) -> dict[str, float]:
+        """Load the models and the engine, then give the engine the actor's weights."""
+        from vlrl.models.processor import load_processor
+        from vlrl.rollout import create_rollout_engine
+        from vlrl.workers.actor import Actor
+        from vlrl.workers.reference import Reference
+
+        model = self.config.worker.actor.model
+        tokenizer, processor = load_processor(model.tokenizer_path, self.config.data.override_chat_template)
+        self.actor = Actor(self.config, model.model_path, processor, self.device)
+        if self.config.use_reference:
+            self.reference = Reference(self.config, model.model_path, processor, self.device)
+        self.rollout = create_rollout_engine(
+            self.config.worker.rollout, self.config.data, model.model_path, tokenizer, processor,
+            limit_images=limit_images,
+        )  # fmt: skip
+        return self.sync_weights()
+
+    # ------------------------------------------------------------------------- step phases
+    def generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch:
+        """Sample responses for this rank's prompts (its data-parallel shard)."""
+        self.rollout.wake_up()
+        batch = self.rollout.generate(prompts, overrides)
+        self.rollout.sleep()
+        return batch
+
+    def compute_log_probs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Old-policy and (when KL is on) reference log-probs of the responses: ([N, R], [N, R] | None)."""
+        temperature = self.config.worker.rollout.temperature
+        old = self.actor.compute_log_probs(batch, temperature)
+        ref = self.reference.compute_log_probs(batch, temperature) if self.reference is not None else None
+        return old, ref
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """One PPO update on this rank's shard, then push the new weights to the engine."""
+        metrics = self.actor.update_policy(batch)
+        metrics.update(self.sync_weights())
+        return metrics
+
+    def sync_weights(self) -> dict[str, float]:
+        from vlrl.rollout import sync_weights
+
+        return sync_weights(self.actor.module, self.rollout, self.config.worker.rollout.sync_bucket_mb)
+
+    # ------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str, with_hf: bool) -> None:
+        self.actor.save_checkpoint(path)
+        if with_hf:
+            self.actor.save_hf(os.path.join(path, "huggingface"))
+
+    def load_checkpoint(self, path: str) -> dict[str, float]:
+        self.actor.load_checkpoint(path)
+        return self.sync_weights()
+
+    def shutdown(self) -> None:
+        if self.rollout is not None:
+            self.rollout.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _init_process_group(device: str, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """torch.distributed first (vLLM's external_launcher joins this world), from env vars."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank if device == "cpu" else 0), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+    )  # fmt: skip
+    if device == "cuda":
+        # Ray gives each rank one GPU via CUDA_VISIBLE_DEVICES, so the local device is always 0.
+        torch.cuda.set_device(0)
+        backend = "nccl"
+    else:
+        # Share the machine's cores between the ranks instead of oversubscribing them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        backend = "gloo"
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
