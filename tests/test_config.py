@@ -156,3 +156,9 @@ def test_example_configs_load() -> None:
     """Every YAML in examples/ parses into the config tree (paths are not checked here)."""
     for path in sorted((REPO / "examples").glob("*.yaml")):
         load_config([f"config={path}"], finalize=False)
+
+
+def test_config_reference_is_current() -> None:
+    from vlrl.tools.config_docs import render
+
+    assert (REPO / "docs" / "config.md").read_text() == render(), "run: python -m vlrl.tools.config_docs > docs/config.md"
