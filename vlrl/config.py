@@ -279,8 +279,9 @@ class RolloutConfig(_Section):
 
 @dataclass
 class RewardConfig(_Section):
-    reward_type: str = "batch"
-    """batch: the function takes a list of inputs; sequential: one input at a time."""
+    reward_type: str | None = None
+    """batch (a list of inputs per call) or sequential (one input per call); None: the file's
+    `REWARD_TYPE` attribute if it declares one, else batch."""
     reward_function: str | None = None
     """`path/to/file.py:function` (no `:function` means `main`)."""
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -288,7 +289,7 @@ class RewardConfig(_Section):
     skip_special_tokens: bool = True
     """Decode responses without special tokens."""
     num_workers: int = 1
-    """Reward worker processes (rewards run off the training processes)."""
+    """Reward worker processes (rewards run off the training processes); 0: in the driver (debugging, no timeout)."""
     timeout: float = 60.0
     """Seconds one reward call may take before it counts as a failure."""
     on_failure: str = "raise"

@@ -128,7 +128,7 @@ def _check_rollout(config: PPOConfig) -> list[str]:
 def _check_reward(config: PPOConfig) -> list[str]:
     reward = config.worker.reward
     errors = []
-    if reward.reward_type not in ("batch", "sequential"):
+    if reward.reward_type not in (None, "batch", "sequential"):
         errors.append(f"worker.reward.reward_type={reward.reward_type!r} must be batch or sequential")
     if reward.on_failure not in ("raise", "zero"):
         errors.append(f"worker.reward.on_failure={reward.on_failure!r} must be raise or zero")
@@ -138,8 +138,8 @@ def _check_reward(config: PPOConfig) -> list[str]:
         path = reward.reward_function.rsplit(":", 1)[0] if ":" in reward.reward_function else reward.reward_function
         if not os.path.isfile(path):
             errors.append(f"worker.reward.reward_function: file {path!r} does not exist")
-    if reward.num_workers < 1:
-        errors.append(f"worker.reward.num_workers={reward.num_workers} must be >= 1")
+    if reward.num_workers < 0:
+        errors.append(f"worker.reward.num_workers={reward.num_workers} must be >= 0")
     if reward.timeout <= 0:
         errors.append(f"worker.reward.timeout={reward.timeout} must be > 0")
     return errors

@@ -1,0 +1,112 @@
+"""Hand-computed tests of the KL estimators, controllers and the in-reward KL penalty."""
+
+import math
+
+import pytest
+import torch
+
+from vlrl.algorithms import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_estimate,
+    make_kl_controller,
+)
+
+# logp - ref = [0.5, -1.0]
+LOGP = torch.tensor([[-1.0, -2.0]])
+REF = torch.tensor([[-1.5, -1.0]])
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("kl", [0.5, -1.0]),  # k1 = logp - ref
+        ("abs", [0.5, 1.0]),  # |logp - ref|
+        ("mse", [0.125, 0.5]),  # 0.5 * 0.25, 0.5 * 1
+        # k3 with d = ref - logp = [-0.5, 1]: e^-0.5 + 0.5 - 1 = 0.1065307; e^1 - 1 - 1 = 0.7182818
+        ("low_var_kl", [math.exp(-0.5) - 0.5, math.e - 2.0]),
+    ],
+)
+def test_per_token_estimators(kind, expected):
+    torch.testing.assert_close(kl_estimate(LOGP, REF, kind), torch.tensor([expected]))
+
+
+def test_low_var_kl_clamps_extreme_log_ratios():
+    # d = ref - logp = -50 -> clamp to -20: e^-20 + 20 - 1 = 19.000 -> clamp to 10
+    # d = +50 -> clamp to 20: e^20 - 21 = 4.85e8 -> clamp to 10
+    logp = torch.tensor([[50.0, -50.0, 0.0]], requires_grad=True)
+    kl = kl_estimate(logp, torch.zeros(1, 3), "low_var_kl")
+    torch.testing.assert_close(kl, torch.tensor([[10.0, 10.0, 0.0]]))
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+@pytest.mark.parametrize("kind", ["kl", "abs", "mse", "low_var_kl"])
+def test_extreme_values_finite(kind):
+    logp = torch.tensor([[50.0, -50.0]], requires_grad=True)
+    kl = kl_estimate(logp, torch.tensor([[-50.0, 50.0]]), kind)
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(logp.grad).all()
+
+
+def test_full_kl_from_distributions():
+    # p = [0.5, 0.5], q = [0.25, 0.75]: 0.5 ln(0.5/0.25) + 0.5 ln(0.5/0.75) = 0.1438410
+    # p = [1, 0],     q = [0.5, 0.5]:   1 ln(1/0.5) + 0 (the p = 0 entry contributes nothing) = ln 2
+    p = torch.tensor([[[0.5, 0.5], [1.0, 0.0]]])
+    q = torch.tensor([[[0.25, 0.75], [0.5, 0.5]]])
+    logp = p.log().requires_grad_(True)  # contains -inf
+    kl = kl_estimate(logp, q.log(), "full")
+    torch.testing.assert_close(kl, torch.tensor([[0.5 * math.log(2) + 0.5 * math.log(2 / 3), math.log(2)]]))
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_full_kl_rejects_per_token_log_probs():
+    with pytest.raises(ValueError, match=r"\[B, T, V\]"):
+        kl_estimate(LOGP, REF, "full")
+    with pytest.raises(ValueError, match="valid:"):
+        kl_estimate(LOGP, REF, "k4")
+    assert set(KL_ESTIMATORS) == {"kl", "abs", "mse", "low_var_kl", "full"}
+
+
+def test_fixed_controller():
+    ctl = FixedKLController(0.05)
+    ctl.update(current_kl=10.0, n_steps=1000)
+    assert ctl.value == 0.05
+
+
+def test_adaptive_controller():
+    # target 0.1, horizon 100, n_steps 10
+    # KL 0.15: error = clip(0.5, -0.2, 0.2) = 0.2 -> 0.1 * (1 + 0.2 * 10 / 100) = 0.102
+    # KL 0.09: error = -0.1 -> 0.102 * (1 - 0.1 * 10 / 100) = 0.10098
+    ctl = AdaptiveKLController(init_kl_coef=0.1, target_kl=0.1, horizon=100)
+    ctl.update(0.15, 10)
+    assert ctl.value == pytest.approx(0.102)
+    ctl.update(0.09, 10)
+    assert ctl.value == pytest.approx(0.10098)
+    ctl.update(0.0, 10)  # error = clip(-1) = -0.2 -> * 0.98
+    assert ctl.value == pytest.approx(0.10098 * 0.98)
+
+
+def test_make_kl_controller():
+    assert isinstance(make_kl_controller("fixed", 0.01), FixedKLController)
+    ctl = make_kl_controller("adaptive", 0.01, kl_target=0.2, kl_horizon=50)
+    assert isinstance(ctl, AdaptiveKLController) and (ctl.value, ctl.target, ctl.horizon) == (0.01, 0.2, 50)
+    with pytest.raises(ValueError, match="kl_type"):
+        make_kl_controller("pid", 0.01)
+
+
+def test_apply_kl_penalty():
+    # k1 = logp - ref = [[0.1, 0.2, 0.3], [0.4, 0.5, 9 (masked)], [all masked]], kl_coef 0.5:
+    # rewards row 0: [0 - 0.05, 0 - 0.1, 1 - 0.15]; row 1: [0 - 0.2, 2 - 0.25, 0]; row 2 unchanged
+    # per-seq mean KL: row 0 0.2, row 1 0.45; row 2 has no tokens and is left out -> 0.325
+    scores = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0], [0.0, 0.0, 3.0]])
+    logp = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 9.0], [1.0, 1.0, 1.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    rewards, current = apply_kl_penalty(scores, logp, torch.zeros(3, 3), mask, kl_coef=0.5, kind="kl")
+    expected = torch.tensor([[-0.05, -0.1, 0.85], [-0.2, 1.75, 0.0], [0.0, 0.0, 3.0]])
+    torch.testing.assert_close(rewards, expected)
+    assert current == pytest.approx(0.325)
+    assert not rewards.requires_grad, "rewards are targets, detached from the policy graph"

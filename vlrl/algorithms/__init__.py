@@ -1,0 +1,45 @@
+"""Pure tensor functions of the RL algorithms: advantages, KL, policy losses, group filtering.
+
+The registries map config names to functions: `ADV_ESTIMATORS` (`algorithm.adv_estimator`),
+`KL_ESTIMATORS` (`algorithm.kl_penalty`), `POLICY_LOSSES` (`worker.actor.policy_loss`) and
+`LOSS_AGG_MODES` (`worker.actor.loss_avg_mode`). `GROUP_ESTIMATORS` names the estimators that
+compare samples of one prompt and so need `worker.rollout.n > 1`. See docs/algorithms.md.
+"""
+
+from vlrl.algorithms.advantages import ADV_ESTIMATORS, GROUP_ESTIMATORS, compute_advantages
+from vlrl.algorithms.filtering import filter_groups
+from vlrl.algorithms.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_estimate,
+    make_kl_controller,
+)
+from vlrl.algorithms.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    aggregate_loss,
+    compute_kl_loss,
+    compute_policy_loss,
+    count_tokens_and_seqs,
+)
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "GROUP_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "aggregate_loss",
+    "apply_kl_penalty",
+    "compute_advantages",
+    "compute_kl_loss",
+    "compute_policy_loss",
+    "count_tokens_and_seqs",
+    "filter_groups",
+    "kl_estimate",
+    "make_kl_controller",
+]

@@ -1,0 +1,141 @@
+"""KL estimators between the policy and the reference policy, KL controllers and the reward penalty.
+
+Per-token estimators take log-probabilities of the sampled tokens, logp = log pi(y_t) and
+ref = log pi_ref(y_t), both [B, T], and estimate KL(pi || pi_ref) at each token (Schulman's
+k1/k2/k3 estimators). `full` computes the exact KL and needs whole distributions [B, T, V].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+KLFn = Callable[[Tensor, Tensor], Tensor]
+
+LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound before exp: e^20 ~ 5e8 stays finite in fp32/bf16
+LOW_VAR_KL_CLAMP = 10.0  # bound of the k3 estimate itself
+
+
+def kl_k1(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """k1 = logp - ref: unbiased, high variance, can be negative per token."""
+    return log_probs - ref_log_probs
+
+
+def kl_abs(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """|logp - ref|."""
+    return (log_probs - ref_log_probs).abs()
+
+
+def kl_mse(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """k2 = 0.5 (logp - ref)^2: biased, low variance, >= 0."""
+    return 0.5 * (log_probs - ref_log_probs).square()
+
+
+def kl_low_var(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """k3 = exp(d) - d - 1 with d = ref - logp clamped to [-20, 20]; result clamped to [-10, 10].
+
+    Unbiased for KL(pi || pi_ref) when y ~ pi and always >= 0; the clamps keep exp finite.
+    """
+    d = (ref_log_probs - log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (d.exp() - d - 1).clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+
+
+def kl_full(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """Exact KL(pi || pi_ref) = sum_v p_v (logp_v - ref_v) from full log-distributions [B, T, V] -> [B, T].
+
+    Vocabulary entries with p_v = 0 (logp_v = -inf) contribute 0.
+    """
+    if log_probs.dim() < 3 or log_probs.shape != ref_log_probs.shape:
+        raise ValueError(
+            "kl kind 'full' needs full log-probability distributions [B, T, V] for the policy and the "
+            f"reference (got {tuple(log_probs.shape)} and {tuple(ref_log_probs.shape)}); with per-token "
+            "log-probs use 'kl', 'abs', 'mse' or 'low_var_kl'"
+        )
+    p = log_probs.exp()
+    # Select before multiplying so that -inf - -inf = nan never reaches the product or its gradient.
+    diff = torch.where(p > 0, log_probs - ref_log_probs, torch.zeros_like(log_probs))
+    return (p * diff).sum(dim=-1)
+
+
+KL_ESTIMATORS: dict[str, KLFn] = {
+    "kl": kl_k1,
+    "abs": kl_abs,
+    "mse": kl_mse,
+    "low_var_kl": kl_low_var,
+    "full": kl_full,
+}
+
+
+def kl_estimate(log_probs: Tensor, ref_log_probs: Tensor, kind: str) -> Tensor:
+    """Per-token KL estimate of `kind` (config key `algorithm.kl_penalty`). [B, T] (or [B, T, V] for full) -> [B, T]."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; valid: {sorted(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[kind](log_probs, ref_log_probs)
+
+
+# ----------------------------------------------------------------------------------- controllers
+class FixedKLController:
+    """A constant KL coefficient (`algorithm.kl_type=fixed`)."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Nothing to adapt."""
+
+
+class AdaptiveKLController:
+    """Proportional controller (Ziegler et al. 2019) steering the measured KL towards `target_kl`.
+
+    error = clip(current_kl / target_kl - 1, -0.2, 0.2); value *= 1 + error * n_steps / horizon.
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float) -> None:
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError(f"target_kl={target_kl} and horizon={horizon} must be > 0")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Scale the coefficient up when the KL is above target, down when below; n_steps = samples seen."""
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def make_kl_controller(
+    kl_type: str, kl_coef: float, kl_target: float = 0.1, kl_horizon: float = 10000.0
+) -> FixedKLController | AdaptiveKLController:
+    """Controller from `algorithm.kl_type` (fixed | adaptive), `kl_coef`, `kl_target`, `kl_horizon`."""
+    if kl_type == "fixed":
+        return FixedKLController(kl_coef)
+    if kl_type == "adaptive":
+        return AdaptiveKLController(kl_coef, kl_target, kl_horizon)
+    raise ValueError(f"unknown kl_type {kl_type!r}; valid: ['adaptive', 'fixed']")
+
+
+# ------------------------------------------------------------------------------------ penalty
+def apply_kl_penalty(
+    token_level_scores: Tensor,
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    response_mask: Tensor,
+    kl_coef: float,
+    kind: str,
+) -> tuple[Tensor, float]:
+    """Reward with an in-reward KL penalty: rewards = scores - kl_coef * KL * mask. All [B, T].
+
+    Returns (token_level_rewards, current_kl) where current_kl is the mean over sequences that have
+    at least one valid token of their masked-mean KL (feed it to the controller's `update`). The
+    rewards are detached: they are targets, not part of the policy's graph.
+    """
+    mask = response_mask.to(token_level_scores.dtype)
+    kl = kl_estimate(log_probs.detach(), ref_log_probs.detach(), kind).to(mask.dtype) * mask  # [B, T]
+    rewards = token_level_scores - kl_coef * kl
+    tokens_per_seq = mask.sum(dim=-1)  # [B]
+    seq_kl = kl.sum(dim=-1) / tokens_per_seq.clamp(min=1)  # [B]
+    num_valid_seqs = (tokens_per_seq > 0).sum().clamp(min=1)
+    current_kl = (seq_kl.sum() / num_valid_seqs).item()
+    return rewards, current_kl
