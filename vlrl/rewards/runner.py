@@ -1,0 +1,380 @@
+"""`RewardRunner`: score responses with a drop-in reward function in worker processes.
+
+Rewards run off the training process so that a hanging or crashing reward can be killed without
+taking training down. The inputs are split into contiguous chunks, one per worker; results are put
+back in input order. A worker that exceeds `timeout` (or dies) is killed and restarted.
+
+The reward file is imported only inside the workers (each loads it from the spec; nothing is
+pickled), so its module-level code (heavy imports, a model) never runs in the training process.
+
+`num_workers=0` scores in the calling process: handy under a debugger, but a hang cannot be
+interrupted there (no timeout enforcement) and a crash takes the caller down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import pickle
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+
+from vlrl.rewards.calling import Outcome, call_batch, call_one, guarded
+from vlrl.rewards.loading import LoadedReward, check_kwargs, load_reward_function, resolve_spec
+from vlrl.rewards.types import RewardError, RewardFailure, RewardInput, RewardLoadError, RewardResult
+from vlrl.rewards.worker import worker_main
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT = 120.0
+"""Seconds a worker may take to start and import the reward file (spawn re-imports the main module)."""
+MAX_FAILURE_MESSAGES = 20
+"""`RewardResult.failure_messages` keeps at most this many (the count is always exact)."""
+
+_NOT_SCORED = RewardFailure("not scored: stopped after an earlier failure")
+"""Marks samples skipped in `on_failure=raise` mode once a failure is known (never reported first)."""
+
+
+@dataclass
+class _Job:
+    job_id: int
+    indices: list[int]
+    """Global sample indices sent to the worker, in order."""
+    done: int = 0
+    """How many of them the worker has answered (sequential rewards answer one by one)."""
+
+
+@dataclass
+class _Batch:
+    """State of one `score` call on the pool."""
+
+    inputs: list[RewardInput]
+    outcomes: list[Outcome | None]
+    pending: deque[list[int]] = field(default_factory=deque)
+    failed: bool = False
+
+    def record(self, index: int, outcome: Outcome) -> None:
+        self.outcomes[index] = outcome
+        self.failed = self.failed or isinstance(outcome, RewardFailure)
+
+    def fail_chunk(self, indices: Sequence[int], reason: str) -> None:
+        failure = RewardFailure(reason, chunk=(indices[0], indices[-1]))
+        for i in indices:
+            self.record(i, failure)
+
+
+class _Worker:
+    """One worker process, its pipe, and the job it is running."""
+
+    def __init__(self, ctx: Any, config: Any, kwargs: dict[str, Any], slot: int) -> None:
+        self.conn, child = ctx.Pipe()
+        args = (child, config.reward_function, config.reward_type, kwargs)
+        self.process = ctx.Process(target=worker_main, args=args, daemon=True, name=f"vlrl-reward-{slot}")
+        self.process.start()
+        child.close()  # so a dead worker shows up as EOF on our end
+        self.job: _Job | None = None
+        self.deadline = float("inf")
+
+    def wait_ready(self, timeout: float) -> dict[str, Any]:
+        """Block until the worker has loaded the reward function; returns its `ready` info."""
+        if not self.conn.poll(timeout):
+            self.kill()
+            raise RewardLoadError(f"reward worker did not start within {timeout:g}s")
+        try:
+            kind, payload = self.conn.recv()
+        except (EOFError, OSError):
+            code = self.kill()
+            raise RewardLoadError(f"reward worker exited while starting (exit code {code})") from None
+        if kind == "load_error":
+            self.kill()
+            raise RewardLoadError(payload)
+        return payload
+
+    def send_job(self, job: _Job, samples: list[RewardInput], timeout: float) -> None:
+        try:
+            self.conn.send(("score", job.job_id, samples))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # pickled before any byte is sent
+            raise RewardError(
+                f"could not send the inputs to a reward worker: {exc!r}; every RewardInput value "
+                "(extra columns included) must be picklable"
+            ) from exc
+        self.job = job
+        self.deadline = time.monotonic() + timeout
+
+    def kill(self) -> int | None:
+        """Kill the process (if alive) and close the pipe; returns its exit code."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        self.conn.close()
+        return self.process.exitcode
+
+    def stop(self) -> None:
+        """Ask the worker to exit, killing it if it does not within a few seconds."""
+        with contextlib.suppress(OSError, ValueError):  # pipe already broken: kill below
+            self.conn.send(("stop",))
+        self.process.join(2)
+        self.kill()
+
+
+def _split(n: int, parts: int) -> list[list[int]]:
+    """`range(n)` in `parts` contiguous chunks of near-equal size (no empty chunk)."""
+    parts = max(1, min(parts, n))
+    size, extra = divmod(n, parts)
+    chunks, start = [], 0
+    for p in range(parts):
+        end = start + size + (1 if p < extra else 0)
+        chunks.append(list(range(start, end)))
+        start = end
+    return chunks
+
+
+class RewardRunner:
+    """Load `config.reward_function` and score `RewardInput`s with it in `config.num_workers` processes.
+
+    Use as a context manager (or call `close()`) so the worker processes are stopped.
+    """
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.kwargs: dict[str, Any] = dict(config.reward_function_kwargs or {})
+        self.timeout = float(config.timeout)
+        self.on_failure = config.on_failure
+        if self.on_failure not in ("raise", "zero"):
+            raise ValueError(f"worker.reward.on_failure={self.on_failure!r} must be raise or zero")
+        if config.num_workers < 0 or self.timeout <= 0:
+            raise ValueError("worker.reward.num_workers must be >= 0 and worker.reward.timeout > 0")
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker | None] = [None] * int(config.num_workers)
+        self._job_ids = 0
+        self._closed = False
+        self.loaded: LoadedReward | None = None
+        """The function itself, only when scoring in-process (`num_workers=0`)."""
+        self.reward_type = ""
+        """`batch` or `sequential`, as resolved when the file was loaded."""
+        self.where = ""
+        """`file.py:function`, as named in error messages."""
+        if self.num_workers == 0:
+            self.loaded = load_reward_function(config.reward_function, config.reward_type)
+            check_kwargs(self.loaded, self.kwargs)
+            self.reward_type, self.where = self.loaded.reward_type, self.loaded.where
+        else:
+            # The workers load the file; the training process never runs the user's module code
+            # (which may import heavy libraries or load a model). A missing file fails before spawning.
+            resolve_spec(config.reward_function)
+            self._start_all()
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    # ------------------------------------------------------------------------------- lifecycle
+    def _start_all(self) -> None:
+        # Start every process first, then wait: they import in parallel.
+        self._workers = [self._new_worker(i) for i in range(self.num_workers)]
+        try:
+            for worker in self._workers:
+                assert worker is not None
+                info = worker.wait_ready(STARTUP_TIMEOUT + self.timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.reward_type, self.where = info["reward_type"], info["where"]
+        logger.info("started %d reward workers for %s (%s)", self.num_workers, self.where, self.reward_type)
+
+    def _new_worker(self, slot: int) -> _Worker:
+        return _Worker(self._ctx, self.config, self.kwargs, slot)
+
+    def _restart(self, slot: int) -> _Worker:
+        worker = self._new_worker(slot)
+        self._workers[slot] = worker
+        worker.wait_ready(STARTUP_TIMEOUT + self.timeout)
+        return worker
+
+    def _kill(self, slot: int) -> int | None:
+        worker = self._workers[slot]
+        self._workers[slot] = None
+        return worker.kill() if worker is not None else None
+
+    def close(self) -> None:
+        """Stop the worker processes (idempotent)."""
+        self._closed = True
+        for slot, worker in enumerate(self._workers):
+            if worker is not None:
+                worker.stop()
+                self._workers[slot] = None
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Not contextlib.suppress: at interpreter shutdown module globals may already be None.
+        try:  # noqa: SIM105
+            self.close()
+        except Exception:
+            pass
+
+    # --------------------------------------------------------------------------------- scoring
+    def score(self, inputs: Sequence[RewardInput]) -> RewardResult:
+        """Score `inputs`; the result's scores are in input order and all have the same parts."""
+        if self._closed:
+            raise RewardError("RewardRunner is closed")
+        inputs = list(inputs)
+        if not inputs:
+            return RewardResult(scores=[])
+        if self.num_workers == 0:
+            outcomes = self._score_in_process(inputs)
+        else:
+            outcomes = self._score_in_pool(inputs)
+        return self._finish(outcomes)
+
+    def _score_in_process(self, inputs: list[RewardInput]) -> list[Outcome]:
+        assert self.loaded is not None
+        if self.reward_type == "sequential":
+            return [guarded(call_one, self.loaded, self.kwargs, s) for s in inputs]
+        result = guarded(call_batch, self.loaded, self.kwargs, inputs)
+        if isinstance(result, RewardFailure):
+            return [RewardFailure(result.reason, chunk=(0, len(inputs) - 1))] * len(inputs)
+        return result
+
+    def _score_in_pool(self, inputs: list[RewardInput]) -> list[Outcome]:
+        batch = _Batch(inputs, [None] * len(inputs), deque(_split(len(inputs), self.num_workers)))
+        try:
+            while batch.pending or self._busy():
+                if batch.failed and self.on_failure == "raise":
+                    # We are going to raise: start nothing new, but let running jobs finish (bounded
+                    # by the timeout) rather than killing healthy workers that we would have to restart.
+                    batch.pending.clear()
+                self._dispatch(batch)
+                self._collect(batch)
+        finally:
+            self._abort_busy()  # only busy after an exception (e.g. KeyboardInterrupt): no stale jobs
+        return [o if o is not None else _NOT_SCORED for o in batch.outcomes]
+
+    def _busy(self) -> list[tuple[int, _Worker]]:
+        return [(slot, w) for slot, w in enumerate(self._workers) if w is not None and w.job is not None]
+
+    def _abort_busy(self) -> None:
+        for slot, _ in self._busy():
+            self._kill(slot)
+
+    def _dispatch(self, batch: _Batch) -> None:
+        for slot in range(self.num_workers):
+            if not batch.pending:
+                return
+            worker = self._workers[slot]
+            if worker is not None and worker.job is not None:
+                continue
+            if worker is None or not worker.process.is_alive():
+                if worker is not None:
+                    self._kill(slot)
+                worker = self._restart(slot)
+            indices = batch.pending.popleft()
+            self._job_ids += 1
+            worker.send_job(_Job(self._job_ids, indices), [batch.inputs[i] for i in indices], self.timeout)
+
+    def _collect(self, batch: _Batch) -> None:
+        """Wait for the next message (or deadline), handle it, then enforce the deadlines."""
+        busy = self._busy()
+        if not busy:
+            return
+        wait_s = max(0.0, min(w.deadline for _, w in busy) - time.monotonic())
+        ready = wait([w.conn for _, w in busy], timeout=wait_s)
+        for slot, worker in busy:
+            if worker.conn in ready:
+                self._receive(slot, worker, batch)
+        now = time.monotonic()
+        for slot, worker in self._busy():
+            if worker.deadline <= now and not worker.conn.poll():
+                self._lose_job(
+                    slot, batch, f"timed out after {self.timeout:g}s (worker killed and restarted)"
+                )
+
+    def _receive(self, slot: int, worker: _Worker, batch: _Batch) -> None:
+        job = worker.job
+        assert job is not None
+        try:
+            message = worker.conn.recv()
+        except (EOFError, OSError):
+            worker.process.join(1)  # reap it so the exit code is known
+            code = worker.process.exitcode
+            self._lose_job(slot, batch, f"worker process died (exit code {code}) while scoring")
+            return
+        kind, job_id = message[0], message[1]
+        if job_id != job.job_id:
+            return  # a reply to a job we already gave up on
+        if kind == "item":
+            batch.record(job.indices[message[2]], message[3])
+            job.done += 1
+            worker.deadline = time.monotonic() + self.timeout  # the timeout is per call
+        elif kind == "done":
+            worker.job = None
+        elif kind == "batch":
+            result = message[2]
+            if isinstance(result, RewardFailure):
+                batch.fail_chunk(job.indices, result.reason)
+            else:
+                for index, outcome in zip(job.indices, result):
+                    batch.record(index, outcome)
+            worker.job = None
+
+    def _lose_job(self, slot: int, batch: _Batch, reason: str) -> None:
+        """The worker hung or died: kill it; blame the sample in flight (sequential) or the chunk."""
+        worker = self._workers[slot]
+        assert worker is not None and worker.job is not None
+        remaining = worker.job.indices[worker.job.done :]
+        self._kill(slot)
+        if not remaining:
+            return
+        if self.reward_type == "sequential":
+            batch.record(remaining[0], RewardFailure(reason))
+            if remaining[1:]:
+                batch.pending.appendleft(remaining[1:])
+        else:
+            batch.fail_chunk(remaining, reason)
+
+    # ------------------------------------------------------------------------------- results
+    def _describe(self, index: int, failure: RewardFailure) -> str:
+        where = f"reward function {self.where} ({self.reward_type})"
+        if failure.chunk is not None:
+            first, last = failure.chunk
+            return f"{where} failed on samples {first}-{last} (one batch call): {failure.reason}"
+        return f"{where} failed on sample {index}: {failure.reason}"
+
+    def _finish(self, outcomes: list[Outcome]) -> RewardResult:
+        failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, RewardFailure)]
+        messages, seen = [], {id(_NOT_SCORED)}
+        for i, failure in failed:
+            if len(messages) == MAX_FAILURE_MESSAGES:  # a broken reward can fail every sample
+                break
+            if id(failure) not in seen:  # a chunk failure is one object shared by its samples
+                seen.add(id(failure))
+                messages.append(self._describe(i, failure))
+        if failed and self.on_failure == "raise":
+            skipped = sum(o is _NOT_SCORED for o in outcomes)
+            raise RewardError(
+                f"{messages[0]}\n({len(failed) - skipped} of {len(outcomes)} samples failed, {skipped} not "
+                "scored; set worker.reward.on_failure=zero to score failed samples 0 and continue)"
+            )
+        names = set().union(*(o for o in outcomes if not isinstance(o, RewardFailure)))
+        parts = ["overall", *sorted(names - {"overall"})]
+        # Missing parts (and every part of a failed sample) are 0.0 so each part has one value per sample.
+        scores = [
+            {p: (0.0 if isinstance(o, RewardFailure) else o.get(p, 0.0)) for p in parts} for o in outcomes
+        ]
+        if failed:
+            logger.warning(
+                "%d of %d reward samples failed and scored 0; first: %s",
+                len(failed),
+                len(outcomes),
+                messages[0],
+            )
+        return RewardResult(scores=scores, failures=len(failed), failure_messages=messages)
