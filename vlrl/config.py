@@ -60,7 +60,7 @@ class DataConfig(_Section):
     image_dir: str | None = None
     """Folder prepended to relative image paths; default: the data file's folder."""
     video_fps: float = 2.0
-    """Frames per second sampled from videos."""
+    """Frames per second sampled from videos (video input is not supported yet; kept so EasyR1 configs load)."""
     max_prompt_length: int = 512
     """Maximum prompt length in tokens, counted after image tokens are expanded."""
     max_response_length: int = 512
@@ -86,7 +86,7 @@ class DataConfig(_Section):
     filter_overlong_prompts: bool = True
     """Drop prompts longer than `max_prompt_length` (counted in the logs); False: such a row is an error."""
     filter_overlong_prompts_workers: int = 1
-    """Processes used to measure prompt lengths when filtering."""
+    """Accepted for EasyR1 configs; the length check runs in one process (thousands of rows/s)."""
     skip_bad_rows: bool = False
     """Skip (and count) rows with missing images or mismatched `<image>` markers instead of failing."""
 

@@ -90,6 +90,8 @@ def _check_algorithm(config: PPOConfig) -> list[str]:
         errors.append(f"worker.actor.clip_ratio_dual={actor.clip_ratio_dual} must be > 1")
     if actor.clip_ratio_low < 0 or actor.clip_ratio_high < 0:
         errors.append("worker.actor.clip_ratio_low and clip_ratio_high must be >= 0")
+    if algo.online_filtering and algo.adv_estimator == "remax":
+        errors.append("algorithm.adv_estimator=remax cannot be combined with algorithm.online_filtering=true")
     if algo.online_filtering and not algo.filter_low < algo.filter_high:
         errors.append(f"algorithm.filter_low={algo.filter_low} must be < algorithm.filter_high={algo.filter_high}")
     return errors

@@ -1,0 +1,36 @@
+"""Helpers shared by the data-pipeline tests: small images and data-file writers."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+
+def image(colour: str = "red", size: tuple[int, int] = (56, 56), mode: str = "RGB") -> Image.Image:
+    """A plain image."""
+    return Image.new(mode, size, colour)
+
+
+def png_bytes(colour: str = "red", size: tuple[int, int] = (56, 56)) -> bytes:
+    """PNG-encoded bytes of a plain image."""
+    buffer = io.BytesIO()
+    image(colour, size).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_png(path: Path, colour: str = "red", size: tuple[int, int] = (56, 56)) -> str:
+    """Write a PNG and return its path as str."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image(colour, size).save(path)
+    return str(path)
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
+    """Write rows as JSON lines and return the path as str."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)

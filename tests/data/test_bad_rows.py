@@ -1,0 +1,143 @@
+"""Every kind of bad row: an error naming the file and row, or skipped and counted with skip_bad_rows."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+from data_helpers import png_bytes, write_jsonl, write_png
+
+from vlrl.data import DataError, RLDataset
+
+GOOD = {"problem": "<image>What colour?", "answer": "red", "images": ["ok.png"]}
+
+# (bad row, skip reason, message after "FILE row 1: ")
+CASES = {
+    "marker_count": (
+        {"problem": "<image><image>Which?", "answer": "a", "images": ["ok.png"]},
+        "marker_count",
+        "has 2 <image> marker(s) but 1 image(s) in column 'images'",
+    ),
+    "images_without_marker": (
+        {"problem": "Which?", "answer": "a", "images": ["ok.png"]},
+        "marker_count",
+        "has 0 <image> marker(s) but 1 image(s) in column 'images'",
+    ),
+    "missing_image": (
+        {"problem": "<image>x", "answer": "a", "images": ["gone.png"]},
+        "image",
+        "image file {dir}/gone.png does not exist",
+    ),
+    "not_an_image": (
+        {"problem": "<image>x", "answer": "a", "images": ["notes.png"]},
+        "image",
+        "image {dir}/notes.png is not a readable image",
+    ),
+    "empty_prompt": (
+        {"problem": "  ", "answer": "a", "images": []},
+        "missing_prompt",
+        "prompt key 'problem' is missing or empty",
+    ),
+    "absent_prompt": (
+        {"answer": "a", "images": []},
+        "missing_prompt",
+        "prompt key 'problem' is missing or empty",
+    ),
+    "absent_answer": ({"problem": "x", "images": []}, "missing_answer", "answer key 'answer' is missing"),
+    "video_column": (
+        {"problem": "<video>x", "answer": "a", "images": [], "videos": [["f1.png", "f2.png"]]},
+        "video",
+        "has 1 video(s) in column 'videos': video input is not supported yet",
+    ),
+    "video_marker": (
+        {"problem": "<video>x", "answer": "a"},
+        "video",
+        "has 1 <video> marker(s): video input is not supported yet",
+    ),
+    "placeholder_in_text": (
+        {"problem": "<|image_pad|> sneaky", "answer": "a"},
+        "placeholder_in_text",
+        "the prompt text itself contains the placeholder token <|image_pad|>",
+    ),
+}
+
+
+@pytest.fixture
+def qwen(tokenizer_processor):
+    return tokenizer_processor("qwen2_5_vl")
+
+
+def _file(tmp_path, bad: dict) -> str:
+    write_png(tmp_path / "ok.png")
+    (tmp_path / "notes.png").write_text("this is not a png")
+    return write_jsonl(tmp_path / "data.jsonl", [GOOD, bad, GOOD])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_row_is_an_error_naming_file_and_row(qwen, make_config, tmp_path, case):
+    bad, _, message = CASES[case]
+    path = _file(tmp_path, bad)
+    expected = f"{path} row 1: " + message.format(dir=tmp_path)
+    with pytest.raises(DataError, match=re.escape(expected)) as info:
+        RLDataset(path, make_config(), *qwen)
+    assert info.value.file == path and info.value.row == 1
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_row_is_skipped_and_counted(qwen, make_config, tmp_path, case, caplog):
+    bad, reason, _ = CASES[case]
+    path = _file(tmp_path, bad)
+    with caplog.at_level(logging.WARNING, logger="vlrl.data"):
+        dataset = RLDataset(path, make_config(skip_bad_rows=True), *qwen)
+    assert len(dataset) == 2 and dataset.num_skipped == 1 and dataset.skipped_reasons == {reason: 1}
+    assert [dataset[i].uid for i in range(2)] == [0, 2]  # uids stay the row numbers
+    assert dataset.bad_rows[0].row == 1 and f"skipped 1 bad rows {{'{reason}': 1}}" in caplog.text
+
+
+def test_missing_answer_column_lists_the_columns(qwen, make_config, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "x", "solution": "y"}])
+    with pytest.raises(
+        DataError,
+        match=re.escape("row 0: prompt key 'problem' is missing or empty (columns: question, solution)"),
+    ):
+        RLDataset(path, make_config(), *qwen)
+    dataset = RLDataset(path, make_config(prompt_key="question", answer_key="solution"), *qwen)
+    assert dataset[0].ground_truth == "y"
+
+
+def test_images_for_a_text_model(tokenizer_processor, make_config, tmp_path):
+    tokenizer, _ = tokenizer_processor("qwen2")
+    path = _file(tmp_path, {"problem": "plain", "answer": "a"})
+    with pytest.raises(DataError, match=re.escape("row 0: has 1 image(s) but the model is text-only")):
+        RLDataset(path, make_config(), tokenizer, None)
+    dataset = RLDataset(path, make_config(skip_bad_rows=True), tokenizer, None)
+    assert len(dataset) == 1 and dataset.skipped_reasons == {"text_model": 2}
+
+
+def test_all_rows_bad(qwen, make_config, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "", "answer": "a"}])
+    with pytest.raises(DataError, match="no usable rows left"):
+        RLDataset(path, make_config(skip_bad_rows=True), *qwen)
+
+
+def test_template_errors_are_fatal_even_when_skipping(qwen, make_config, tmp_path):
+    (tmp_path / "evil.jinja").write_text("{{ content.__class__ }}")
+    path = _file(tmp_path, GOOD)
+    with pytest.raises(
+        DataError, match=r"data.jsonl row 0: format_prompt .*evil.jinja' failed \(SecurityError\)"
+    ):
+        RLDataset(path, make_config(skip_bad_rows=True, format_prompt=str(tmp_path / "evil.jinja")), *qwen)
+
+
+def test_decode_error_at_load_time_names_file_and_row(qwen, make_config, tmp_path):
+    """A truncated PNG passes the header check at construction and fails when the row is loaded."""
+    write_png(tmp_path / "ok.png")
+    (tmp_path / "cut.png").write_bytes(png_bytes("red", (64, 64))[:-40])
+    path = write_jsonl(
+        tmp_path / "d.jsonl", [GOOD, {"problem": "<image>x", "answer": "a", "images": ["cut.png"]}]
+    )
+    dataset = RLDataset(path, make_config(), *qwen)
+    assert len(dataset) == 2
+    with pytest.raises(DataError, match=r"d.jsonl row 1: image .*cut.png.* could not be decoded"):
+        dataset[1]

@@ -1,0 +1,95 @@
+"""Image cell forms, size probing, decoding and the pixel-bound resize rule."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from data_helpers import image, png_bytes, write_png
+from PIL import Image
+
+from vlrl.data.images import (
+    ImageProblem,
+    check_exists,
+    image_list,
+    load_image,
+    probe_size,
+    resize_image,
+    smart_resize,
+)
+
+
+def test_smart_resize_matches_qwen_vl_utils():
+    from qwen_vl_utils import smart_resize as reference
+
+    sides = [17, 28, 56, 99, 224, 640, 1000, 3000]
+    for (h, w), factor in itertools.product(itertools.product(sides, sides), (28, 32)):
+        for low, high in ((4 * factor**2, 64 * factor**2), (256 * 256, 1024 * 1024)):
+            expected = reference(h, w, factor, low, high)
+            ours = smart_resize(h, w, factor, low, high)
+            if min(expected) > 0:
+                assert ours == expected, (h, w, factor)
+            else:  # qwen-vl-utils floors a side to 0 here; we keep one block and stay in budget
+                assert min(ours) == factor and ours[0] * ours[1] <= high, (h, w, factor)
+
+
+@pytest.mark.parametrize("factor", [28, 32])
+def test_pixel_bounds_hold(factor):
+    low, high = 8 * factor**2, 40 * factor**2
+    for h, w in [(10, 10), (20, 900), (900, 20), (4000, 3000), (300, 300), (1, 150), (17, 3000)]:
+        rh, rw = smart_resize(h, w, factor, low, high)
+        assert rh % factor == 0 and rw % factor == 0
+        assert low <= rh * rw <= high, (h, w, rh, rw)
+
+
+def test_extreme_aspect_ratio_refused():
+    with pytest.raises(ImageProblem, match="aspect ratio"):
+        smart_resize(1, 300, 28, 784, 10_000)
+
+
+def test_every_cell_form_decodes(tmp_path):
+    path = write_png(tmp_path / "sub" / "a.png", "blue", (30, 20))
+    forms = {
+        "relative path": "sub/a.png",
+        "absolute path": path,
+        "file url": "file://" + path,
+        "PIL": image("blue", (30, 20)),
+        "bytes dict": {"bytes": png_bytes("blue", (30, 20)), "path": None},
+        "path dict": {"bytes": None, "path": "sub/a.png"},
+        "raw bytes": png_bytes("blue", (30, 20)),
+    }
+    for name, cell in forms.items():
+        assert probe_size(cell, str(tmp_path)) == (30, 20), name
+        decoded = load_image(cell, str(tmp_path))
+        assert decoded.mode == "RGB" and decoded.size == (30, 20), name
+        assert decoded.getpixel((0, 0)) == (0, 0, 255), name
+
+
+def test_transparent_pixels_become_white():
+    rgba = Image.new("RGBA", (4, 4), (255, 0, 0, 0))
+    assert load_image(rgba, ".").getpixel((0, 0)) == (255, 255, 255)
+    assert load_image(image("red", (4, 4), "L"), ".").mode == "RGB"
+
+
+def test_missing_and_broken_images(tmp_path):
+    with pytest.raises(ImageProblem, match=r"image file .*nope.png does not exist"):
+        check_exists("nope.png", str(tmp_path))
+    (tmp_path / "fake.png").write_text("not an image")
+    with pytest.raises(ImageProblem, match="fake.png is not a readable image"):
+        probe_size("fake.png", str(tmp_path))
+    with pytest.raises(ImageProblem, match="neither 'bytes' nor 'path'"):
+        check_exists({"bytes": None, "path": None}, str(tmp_path))
+    with pytest.raises(ImageProblem, match="unsupported image value of type int"):
+        check_exists(3, str(tmp_path))
+    truncated = png_bytes("red", (64, 64))[:-40]
+    with pytest.raises(ImageProblem, match="could not be decoded"):
+        load_image(truncated, str(tmp_path))
+
+
+def test_resize_and_lists():
+    img = image("red", (30, 20))
+    assert resize_image(img, 20, 30) is img
+    assert resize_image(img, 28, 56).size == (56, 28)
+    assert (
+        image_list(None) == [] and image_list("a.png") == ["a.png"] and image_list(("a", "b")) == ["a", "b"]
+    )

@@ -1,0 +1,157 @@
+"""Images: the accepted cell forms, cheap size probing, decoding and the Qwen-VL resize rule.
+
+A dataset cell holding one image may be
+- a path (str or os.PathLike; relative paths are joined to the image folder; `file://` allowed),
+- a PIL image,
+- a dict `{"bytes": ..., "path": ...}` (how parquet files / `datasets.Image` features store images;
+  `bytes` wins when present, else `path` is read),
+- raw encoded bytes (PNG, JPEG, ...).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+MAX_ASPECT_RATIO = 200  # Qwen-VL refuses images more elongated than this
+
+
+class ImageProblem(ValueError):
+    """An image cell that cannot be used; the message names the image (not the row)."""
+
+
+def image_list(cell: Any) -> list[Any]:
+    """The images of one row as a list (None -> [], a single image -> [image])."""
+    if cell is None:
+        return []
+    if isinstance(cell, (list, tuple)):
+        return list(cell)
+    return [cell]
+
+
+def _path_of(value: Any, image_dir: str) -> str | None:
+    """Filesystem path of a path-like cell (or a dict with only a path); None for in-memory images."""
+    if isinstance(value, dict):
+        if value.get("bytes") is not None:
+            return None
+        value = value.get("path")
+        if value is None:
+            raise ImageProblem("image dict has neither 'bytes' nor 'path'")
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        path = path[len("file://") :] if path.startswith("file://") else path
+        return path if os.path.isabs(path) else os.path.join(image_dir, path)
+    return None
+
+
+def describe(value: Any) -> str:
+    """Short description of an image cell for error messages."""
+    if isinstance(value, (str, os.PathLike)):
+        return repr(os.fspath(value))
+    if isinstance(value, dict):
+        return f"dict(path={value.get('path')!r}, bytes={'yes' if value.get('bytes') else 'no'})"
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    return type(value).__name__
+
+
+def check_exists(value: Any, image_dir: str) -> None:
+    """Raise ImageProblem when a path-like image does not exist or the form is unknown."""
+    if isinstance(value, Image.Image) or (isinstance(value, (bytes, bytearray)) and value):
+        return
+    path = _path_of(value, image_dir)
+    if path is None:
+        if isinstance(value, dict):
+            return
+        raise ImageProblem(f"unsupported image value of type {type(value).__name__}")
+    if not os.path.isfile(path):
+        raise ImageProblem(f"image file {path} does not exist")
+
+
+def _open(value: Any, image_dir: str) -> Image.Image:
+    """Open lazily (header only; pixels decode on `.load()`)."""
+    if isinstance(value, Image.Image):
+        return value
+    check_exists(value, image_dir)
+    path = _path_of(value, image_dir)
+    source: Any = (
+        path if path is not None else io.BytesIO(value["bytes"] if isinstance(value, dict) else value)
+    )
+    try:
+        return Image.open(source)
+    except (UnidentifiedImageError, OSError) as err:
+        where = path if path is not None else describe(value)
+        raise ImageProblem(f"image {where} is not a readable image ({err})") from err
+
+
+def probe_size(value: Any, image_dir: str) -> tuple[int, int]:
+    """(width, height) read from the image header, without decoding the pixels."""
+    image = _open(value, image_dir)
+    size = image.size
+    if image is not value:  # we opened a file or buffer: release it now
+        image.close()
+    return size
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB; transparent pixels become white (as qwen-vl-utils does)."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGB", rgba.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background
+    return image.convert("RGB")
+
+
+def load_image(value: Any, image_dir: str) -> Image.Image:
+    """Decode an image cell into an RGB PIL image (raises ImageProblem on any decoding error)."""
+    image = _open(value, image_dir)
+    try:
+        image.load()
+        return _to_rgb(image)
+    except (OSError, ValueError, SyntaxError) as err:
+        raise ImageProblem(f"image {describe(value)} could not be decoded ({err})") from err
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) rounded to multiples of `factor` with min_pixels <= h*w <= max_pixels.
+
+    The qwen-vl-utils rule: round each side to the nearest multiple; if the area is too large,
+    scale both sides down by the same ratio (flooring); if too small, up (ceiling). Identical
+    results except where qwen-vl-utils would return a zero side.
+    """
+    if min(height, width) <= 0:
+        raise ImageProblem(f"image has an empty side ({width}x{height})")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ImageProblem(f"image aspect ratio {width}x{height} exceeds {MAX_ASPECT_RATIO}")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = math.floor(height / beta / factor) * factor
+        w_bar = math.floor(width / beta / factor) * factor
+        # Very elongated images can floor a side to 0 (qwen-vl-utils returns 0 there): keep one
+        # block on the short side and give the long side what the pixel budget allows.
+        longest = max(factor, max_pixels // (factor * factor) * factor)
+        if h_bar < factor:
+            h_bar, w_bar = factor, min(max(w_bar, factor), longest)
+        if w_bar < factor:
+            w_bar, h_bar = factor, min(max(h_bar, factor), longest)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def resize_image(image: Image.Image, height: int, width: int) -> Image.Image:
+    """Bicubic resize to (height, width); returns the image itself when it already has that size."""
+    if image.size == (width, height):
+        return image
+    return image.resize((width, height), resample=Image.Resampling.BICUBIC)

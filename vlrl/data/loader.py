@@ -1,0 +1,116 @@
+"""`StatefulPromptLoader`: seeded per-epoch shuffling, fixed batches, exact resume.
+
+An in-process loader: `__getitem__` (image decode + resize + tokenize) runs in the training
+process when a batch is requested. Prompt preparation costs milliseconds per prompt, small next
+to generation, so worker processes are not worth their pickling and start-up costs.
+
+Resume semantics: `state_dict()` is updated *before* each batch is handed out, so a state saved
+after consuming k batches restores to batch k+1; after the last batch of an epoch it points at
+the first batch of the next epoch. Order in epoch e is a permutation seeded by `seed + e`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from vlrl.data.collate import collate_prompts
+from vlrl.protocol import PromptBatch
+
+
+class StatefulPromptLoader:
+    """Yields `PromptBatch`es of `batch_size` prompts from `dataset` (an `RLDataset` or any
+    sequence of `PromptSample`s). Iterating runs the rest of the current epoch; iterate again for
+    the next epoch. `batch_size <= 0` means the whole dataset in one batch."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 1,
+        drop_last: bool = True,
+        pad_token_id: int | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size if batch_size > 0 else len(dataset)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.pad_token_id = pad_token_id if pad_token_id is not None else dataset.pad_token_id
+        self.epoch = 0
+        self.batch_index = 0  # batches already handed out in `epoch`
+        if len(self) == 0:
+            raise ValueError(
+                f"dataset of {len(dataset)} prompts gives no batch of {self.batch_size} (drop_last={drop_last}); "
+                "lower the batch size or add data"
+            )
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def order(self, epoch: int) -> list[int]:
+        """Dataset indices in the order of `epoch`."""
+        n = len(self.dataset)
+        if not self.shuffle:
+            return list(range(n))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(n, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        epoch, order = self.epoch, self.order(self.epoch)
+        while self.epoch == epoch and self.batch_index < len(self):
+            start = self.batch_index * self.batch_size
+            indices = order[start : start + self.batch_size]
+            batch = collate_prompts([self.dataset[i] for i in indices], self.pad_token_id)
+            # Advance the state before handing the batch out (see the module docstring).
+            self.batch_index += 1
+            if self.batch_index == len(self):
+                self.epoch, self.batch_index = epoch + 1, 0
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """Position to resume from (plus what must match on resume)."""
+        return {
+            "epoch": self.epoch,
+            "batch_index": self.batch_index,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "dataset_size": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at `state`'s position; refuses a state from a different seed, batch size or dataset size."""
+        for key in ("seed", "batch_size", "dataset_size"):
+            mine = self.state_dict()[key]
+            if key in state and state[key] != mine:
+                raise ValueError(f"cannot resume: saved {key}={state[key]} but this loader has {key}={mine}")
+        if not 0 <= state["batch_index"] < len(self):
+            raise ValueError(f"saved batch_index {state['batch_index']} out of range (0..{len(self) - 1})")
+        self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
+
+
+def create_dataloaders(
+    config: Any, tokenizer: Any, processor: Any | None, hf_config: Any | None = None
+) -> tuple[StatefulPromptLoader, StatefulPromptLoader | None]:
+    """(train loader, validation loader or None) from a `DataConfig`.
+
+    Training: shuffled by `data.seed`, `data.rollout_batch_size` prompts, drop_last. Validation:
+    file order, `data.val_batch_size` prompts (-1: all), nothing dropped.
+    """
+    from vlrl.data.dataset import RLDataset
+
+    train_set = RLDataset(config.train_files, config, tokenizer, processor, hf_config=hf_config)
+    train = StatefulPromptLoader(
+        train_set, config.rollout_batch_size, shuffle=config.shuffle, seed=config.seed, drop_last=True
+    )
+    if not config.val_files:
+        return train, None
+    val_set = RLDataset(config.val_files, config, tokenizer, processor, hf_config=hf_config)
+    val = StatefulPromptLoader(val_set, config.val_batch_size, shuffle=False, drop_last=False)
+    return train, val

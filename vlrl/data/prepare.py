@@ -1,0 +1,171 @@
+"""Turning one dataset row into a `PromptSample`, and the cheap per-row checks used at load time."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from vlrl.data.collate import PromptSample
+from vlrl.data.images import check_exists, image_list, load_image, probe_size, resize_image, smart_resize
+from vlrl.data.prompts import ChatFormatter, FormatPrompt, count_markers, expand_image_tokens
+from vlrl.models.processor import VisionSpec, vision_spec
+from vlrl.models.rope import mrope_position_ids, text_position_ids
+
+
+class RowProblem(ValueError):
+    """A row that breaks the dataset rules; skippable with `data.skip_bad_rows`.
+
+    `reason` is a short category for the skip counter."""
+
+    def __init__(self, message: str, reason: str = "other") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _parse_cell_list(cell: Any) -> list[Any]:
+    """A list-valued cell; CSV stores lists as JSON text (`["a.png", "b.png"]`)."""
+    if isinstance(cell, str) and cell.lstrip().startswith("["):
+        try:
+            cell = json.loads(cell)
+        except json.JSONDecodeError as err:
+            raise RowProblem(f"cannot parse the list {cell!r}: {err}", "bad_list") from err
+    if isinstance(cell, str) and not cell.strip():
+        return []
+    return image_list(cell)
+
+
+class RowPreparer:
+    """Everything needed to turn rows into prompts: keys, templates, tokenizer, processor, pixel bounds."""
+
+    def __init__(
+        self, config: Any, tokenizer: Any, processor: Any | None, hf_config: Any | None = None
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.format = FormatPrompt(config.format_prompt) if config.format_prompt else None
+        self.chat = ChatFormatter(tokenizer, processor, config.override_chat_template)
+        self.spec: VisionSpec | None = vision_spec(processor, hf_config) if processor is not None else None
+        self.min_pixels, self.max_pixels = self._pixel_bounds(config)
+        self.used_keys = {config.prompt_key, config.answer_key, config.image_key, config.video_key}
+
+    def _pixel_bounds(self, config: Any) -> tuple[int, int]:
+        """Config bounds; None falls back to the image processor's own."""
+        if self.processor is None:
+            return 0, 0
+        size = getattr(self.processor.image_processor, "size", None) or {}
+        low = config.min_pixels if config.min_pixels is not None else size.get("shortest_edge")
+        high = config.max_pixels if config.max_pixels is not None else size.get("longest_edge")
+        factor = self.spec.factor
+        low, high = int(low or factor * factor), int(high or 16384 * factor * factor)
+        if high < low or high < factor * factor:
+            raise ValueError(
+                f"data.max_pixels={high} must be >= data.min_pixels={low} and >= {factor * factor} "
+                f"(one {factor}x{factor} block)"
+            )
+        return low, high
+
+    # ---- checks that need no pixels (run for every row at load time)
+    def text(self, row: dict[str, Any]) -> tuple[str, list[Any]]:
+        """(rendered prompt string, image cells) of a row; raises RowProblem for rule breaks."""
+        cfg = self.config
+        content = row.get(cfg.prompt_key)
+        if not isinstance(content, str) or not content.strip():
+            raise RowProblem(f"prompt key {cfg.prompt_key!r} is missing or empty", "missing_prompt")
+        if row.get(cfg.answer_key) is None:
+            raise RowProblem(f"answer key {cfg.answer_key!r} is missing", "missing_answer")
+        videos = _parse_cell_list(row.get(cfg.video_key))
+        if videos:
+            raise RowProblem(
+                f"has {len(videos)} video(s) in column {cfg.video_key!r}: video input is not supported yet",
+                "video",
+            )
+        images = _parse_cell_list(row.get(cfg.image_key))
+        text = self.format.render(content) if self.format else content
+        n_image_markers, n_video_markers = count_markers(text)
+        if n_video_markers:
+            raise RowProblem(
+                f"has {n_video_markers} <video> marker(s): video input is not supported yet", "video"
+            )
+        if n_image_markers != len(images):
+            raise RowProblem(
+                f"has {n_image_markers} <image> marker(s) but {len(images)} image(s) in column {cfg.image_key!r}",
+                "marker_count",
+            )
+        if images and self.processor is None:
+            raise RowProblem(
+                f"has {len(images)} image(s) but the model is text-only (no image processor)", "text_model"
+            )
+        prompt = self.chat(text)
+        if self.spec is not None and prompt.count(self.spec.image_token) != len(images):
+            raise RowProblem(
+                f"the prompt text itself contains the placeholder token {self.spec.image_token}",
+                "placeholder_in_text",
+            )
+        return prompt, images
+
+    def target_sizes(self, images: list[Any], image_dir: str) -> list[tuple[int, int]]:
+        """(height, width) each image is resized to, read from image headers only."""
+        sizes = []
+        for cell in images:
+            check_exists(cell, image_dir)
+            width, height = probe_size(cell, image_dir)
+            sizes.append(self.target_size(height, width))
+        return sizes
+
+    def target_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) within the pixel bounds, sides multiples of patch * merge."""
+        return smart_resize(height, width, self.spec.factor, self.min_pixels, self.max_pixels)
+
+    def tokens_per_image(self, sizes: list[tuple[int, int]]) -> list[int]:
+        """LLM tokens per image: (h / factor) * (w / factor) after the 2x2 merge."""
+        return [(h // self.spec.factor) * (w // self.spec.factor) for h, w in sizes]
+
+    def grid_thw(self, sizes: list[tuple[int, int]]) -> torch.Tensor:
+        """[n_img, 3] predicted patch grids (t=1 for images)."""
+        patch = self.spec.patch_size
+        return torch.tensor([[1, h // patch, w // patch] for h, w in sizes], dtype=torch.long).reshape(-1, 3)
+
+    # ---- the full preparation (run in __getitem__)
+    def sample(self, row: dict[str, Any], image_dir: str, uid: int, use_processor: bool) -> PromptSample:
+        """The model-ready sample of a row (decodes and resizes its images)."""
+        prompt, cells = self.text(row)
+        raw_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        decoded = [load_image(cell, image_dir) for cell in cells]
+        sizes = [self.target_size(image.height, image.width) for image in decoded]
+        images = [resize_image(image, h, w) for image, (h, w) in zip(decoded, sizes)]
+        grid = self.grid_thw(sizes) if images else None  # [n_img, 3]
+        input_ids = self._expand(prompt, raw_ids, images, sizes, grid, use_processor)
+        if self.spec is None:
+            position_ids = text_position_ids(len(input_ids))
+        else:
+            position_ids = mrope_position_ids(input_ids, grid, None, **self.spec.rope_kwargs())
+        extras = {k: v for k, v in row.items() if k not in self.used_keys}
+        return PromptSample(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            raw_prompt_ids=raw_ids,
+            images=images,
+            prompt=prompt,
+            ground_truth=row[self.config.answer_key],
+            extras=extras,
+            uid=uid,
+            image_grid_thw=grid,
+        )
+
+    def _expand(self, prompt, raw_ids, images, sizes, grid, use_processor: bool) -> torch.Tensor:
+        """[L] expanded ids: by the processor (reference path) or from the predicted grids (fast path)."""
+        if not images:
+            return torch.tensor(raw_ids, dtype=torch.long)
+        if not use_processor:
+            expanded = expand_image_tokens(raw_ids, self.spec.image_token_id, self.tokens_per_image(sizes))
+            return torch.tensor(expanded, dtype=torch.long)
+        # Images already have the target size: do_resize=False makes the processor's resize a no-op.
+        out = self.processor(text=[prompt], images=images, do_resize=False, return_tensors="pt")
+        if not torch.equal(out["image_grid_thw"], grid):
+            raise RuntimeError(
+                f"processor grid {out['image_grid_thw'].tolist()} != predicted {grid.tolist()} (pixel-bound mismatch)"
+            )
+        return out["input_ids"][0].long()

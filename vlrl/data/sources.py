@@ -1,0 +1,139 @@
+"""Finding and loading data files with `datasets`: one `Source` per file so errors can name it.
+
+`data.train_files` / `val_files` accept
+- a .json (a list of records, or JSON lines), .jsonl, .parquet or .csv file,
+- a folder: every such file under it (recursively, sorted by path),
+- several of the above separated by commas,
+- a hub dataset `org/name@split` (split defaults to `train`; needs network access).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+_HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\-\[\]:%]+)?$")
+
+
+class DataError(ValueError):
+    """Bad data. `file` and `row` (0-based row within that file) say where, when known."""
+
+    def __init__(self, message: str, file: str | None = None, row: int | None = None) -> None:
+        where = file if row is None else f"{file} row {row}"
+        super().__init__(f"{where}: {message}" if file else message)
+        self.file, self.row, self.problem = file, row, message
+
+
+@dataclass
+class Source:
+    """One loaded file (or hub split)."""
+
+    name: str  # the file path or hub name, as shown in errors
+    dataset: Any  # datasets.Dataset
+    image_dir: str  # folder relative image paths are joined to
+    offset: int = 0  # uid of this source's first row (rows of all sources numbered consecutively)
+
+
+def _split_spec(spec: str | Sequence[str]) -> list[str]:
+    items = [spec] if isinstance(spec, str) else list(spec)
+    return [part.strip() for item in items for part in item.split(",") if part.strip()]
+
+
+def _folder_files(folder: str) -> list[str]:
+    found = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [os.path.join(root, n) for n in names if os.path.splitext(n)[1].lower() in DATA_EXTENSIONS]
+    if not found:
+        kinds = ", ".join(DATA_EXTENSIONS)
+        raise DataError(f"folder has no data files ({kinds})", file=folder)
+    return sorted(found)
+
+
+def resolve_files(spec: str | Sequence[str]) -> list[str]:
+    """Data files (and hub names) named by `spec`, in order; raises DataError for unusable entries."""
+    out: list[str] = []
+    for entry in _split_spec(spec):
+        if os.path.isdir(entry):
+            out += _folder_files(entry)
+        elif os.path.isfile(entry):
+            ext = os.path.splitext(entry)[1].lower()
+            if ext not in DATA_EXTENSIONS:
+                kinds = ", ".join(DATA_EXTENSIONS)
+                raise DataError(f"unknown file type {ext or '(none)'!r}; expected one of {kinds}", file=entry)
+            out.append(entry)
+        elif (
+            _HUB_NAME.match(entry) and os.path.splitext(entry.split("@")[0])[1].lower() not in DATA_EXTENSIONS
+        ):
+            out.append(entry)  # hub dataset
+        else:
+            raise DataError("no such file or folder", file=entry)
+    if not out:
+        raise DataError(f"no data files given ({spec!r})")
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """Hide datasets' progress bars while loading (restored afterwards)."""
+    import datasets
+
+    enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if enabled:
+            datasets.enable_progress_bars()
+
+
+def _undecoded_images(dataset: Any, column: str) -> Any:
+    """Cast an `Image` (or list-of-Image) column to decode=False: rows then hold {bytes, path}
+    dicts, so validation can read sizes from headers instead of decoding every image."""
+    from datasets import Image
+
+    feature = dataset.features.get(column)
+    if isinstance(feature, Image) and feature.decode:
+        return dataset.cast_column(column, Image(decode=False))
+    inner = getattr(feature, "feature", None)
+    if isinstance(inner, Image) and inner.decode:
+        return dataset.cast_column(column, type(feature)(Image(decode=False)))
+    return dataset
+
+
+def load_source(entry: str, image_dir: str | None, image_key: str) -> Source:
+    """Load one file or hub split with `datasets` (errors name the entry)."""
+    from datasets import load_dataset
+
+    is_file = os.path.isfile(entry)
+    try:
+        with _quiet_datasets():
+            if is_file:
+                kind = DATA_EXTENSIONS[os.path.splitext(entry)[1].lower()]
+                dataset = load_dataset(kind, data_files=entry, split="train")
+            else:
+                name, _, split = entry.partition("@")
+                dataset = load_dataset(name, split=split or "train")
+            dataset = _undecoded_images(dataset, image_key)
+    except Exception as err:  # datasets raises many types; all mean "cannot load this entry"
+        what = "cannot be loaded" if is_file else "is not a local file and cannot be loaded from the hub"
+        raise DataError(f"{what}: {type(err).__name__}: {err}", file=entry) from err
+    if image_dir is None:
+        image_dir = os.path.dirname(os.path.abspath(entry)) if is_file else os.getcwd()
+    return Source(name=entry, dataset=dataset, image_dir=image_dir)
+
+
+def load_sources(spec: str | Sequence[str], image_dir: str | None, image_key: str) -> list[Source]:
+    """All sources of `spec`, with consecutive uid offsets."""
+    sources, offset = [], 0
+    for entry in resolve_files(spec):
+        source = load_source(entry, image_dir, image_key)
+        source.offset = offset
+        offset += len(source.dataset)
+        sources.append(source)
+    return sources

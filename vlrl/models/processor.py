@@ -1,0 +1,177 @@
+"""Tokenizer/processor loading and the model facts the data pipeline and mrope need.
+
+`load_processor` returns `(tokenizer, processor)`; the processor is None for text-only models.
+`VisionSpec` gathers what prompt preparation needs from a processor (and, when given, the model
+config): the family, the placeholder token ids, patch and merge sizes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "text")
+
+# model_type -> family; MoE variants share their dense sibling's vision scheme.
+_MODEL_TYPES = {
+    "qwen2_vl": "qwen2_vl",
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl",
+}
+# Processor class name prefix -> family (checked in this order: Qwen2_5 before Qwen2).
+_PROCESSOR_PREFIXES = (("Qwen3VL", "qwen3_vl"), ("Qwen2_5_VL", "qwen2_5_vl"), ("Qwen2VL", "qwen2_vl"))
+
+
+def resolve_chat_template(value: str | None) -> str | None:
+    """A chat template given as a Jinja string or as a path to a file holding one."""
+    if value is None or value == "":
+        return None
+    looks_like_path = "{" not in value and "\n" not in value
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if looks_like_path:
+        raise FileNotFoundError(f"chat template file {value!r} does not exist")
+    return value
+
+
+def load_processor(path: str, override_chat_template: str | None = None) -> tuple[Any, Any | None]:
+    """Load `(tokenizer, processor)` from a model folder; processor is None for text-only models.
+
+    `override_chat_template` (Jinja string or file path) replaces the chat template of both.
+    A tokenizer without a pad token gets its EOS token as pad token (left padding needs one).
+    """
+    from transformers import AutoProcessor, AutoTokenizer
+
+    processor = None
+    try:
+        loaded = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError):  # no processor config: a text model
+        loaded = None
+    if loaded is not None and hasattr(loaded, "image_processor"):
+        processor = loaded
+        tokenizer = processor.tokenizer
+    elif loaded is not None and hasattr(loaded, "apply_chat_template") and hasattr(loaded, "encode"):
+        tokenizer = loaded  # AutoProcessor falls back to the tokenizer for text models
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    template = resolve_chat_template(override_chat_template)
+    if template is not None:
+        tokenizer.chat_template = template
+        if processor is not None:
+            processor.chat_template = template
+    return tokenizer, processor
+
+
+def model_family(hf_config: Any) -> str:
+    """ "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "text" from a transformers config (or its dict)."""
+    model_type = (
+        hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", "")
+    )
+    return _MODEL_TYPES.get(model_type or "", "text")
+
+
+def _config_value(hf_config: Any, name: str) -> Any:
+    """Attribute of the config, falling back to its text_config (4.x kept some ids there)."""
+    value = getattr(hf_config, name, None)
+    if value is None and getattr(hf_config, "text_config", None) is not None:
+        value = getattr(hf_config.text_config, name, None)
+    return value
+
+
+def vision_token_ids(hf_config: Any) -> dict[str, int]:
+    """{image_token_id, video_token_id, vision_start_token_id, vision_end_token_id} of a VL config."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    ids = {name: _config_value(hf_config, name) for name in names}
+    missing = [name for name, value in ids.items() if value is None]
+    if missing:
+        raise ValueError(f"model config ({model_family(hf_config)}) has no {', '.join(missing)}")
+    return {name: int(value) for name, value in ids.items()}
+
+
+def mrope_kwargs(hf_config: Any) -> dict[str, Any]:
+    """Keyword arguments of `vlrl.models.rope.mrope_position_ids` for this model config."""
+    family = model_family(hf_config)
+    if family == "text":
+        raise ValueError("mrope_kwargs needs a Qwen-VL config; text models use text_position_ids")
+    ids = vision_token_ids(hf_config)
+    vision = hf_config.vision_config
+    return {
+        "image_token_id": ids["image_token_id"],
+        "video_token_id": ids["video_token_id"],
+        "vision_start_token_id": ids["vision_start_token_id"],
+        "spatial_merge_size": int(vision.spatial_merge_size),
+        "tokens_per_second": float(getattr(vision, "tokens_per_second", None) or 2.0),
+        "family": family,
+    }
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What prompt preparation needs to know about a Qwen-VL processor."""
+
+    family: str  # qwen2_vl | qwen2_5_vl | qwen3_vl
+    image_token: str  # "<|image_pad|>"
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    patch_size: int  # 14 (Qwen2/2.5-VL) or 16 (Qwen3-VL)
+    merge_size: int  # 2: 2x2 patches become one LLM token
+    tokens_per_second: float = 2.0  # Qwen2.5-VL video temporal spacing (unused for images)
+
+    @property
+    def factor(self) -> int:
+        """Image sides must be multiples of this (28 for Qwen2/2.5-VL, 32 for Qwen3-VL)."""
+        return self.patch_size * self.merge_size
+
+    def rope_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `mrope_position_ids`."""
+        return {
+            "image_token_id": self.image_token_id,
+            "video_token_id": self.video_token_id,
+            "vision_start_token_id": self.vision_start_token_id,
+            "spatial_merge_size": self.merge_size,
+            "tokens_per_second": self.tokens_per_second,
+            "family": self.family,
+        }
+
+
+def processor_family(processor: Any) -> str:
+    """Family of a multimodal processor, from its class name."""
+    name = type(processor).__name__
+    for prefix, family in _PROCESSOR_PREFIXES:
+        if name.startswith(prefix):
+            return family
+    raise ValueError(f"unsupported processor {name}: expected a Qwen2-VL, Qwen2.5-VL or Qwen3-VL processor")
+
+
+def vision_spec(processor: Any, hf_config: Any | None = None) -> VisionSpec:
+    """`VisionSpec` of `processor`; ids and tokens_per_second from `hf_config` when given."""
+    tokenizer = processor.tokenizer
+    image_token = getattr(processor, "image_token", "<|image_pad|>")
+    video_token = getattr(processor, "video_token", "<|video_pad|>")
+    ids = {
+        "image_token_id": tokenizer.convert_tokens_to_ids(image_token),
+        "video_token_id": tokenizer.convert_tokens_to_ids(video_token),
+        "vision_start_token_id": tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+    }
+    tokens_per_second = 2.0  # released Qwen2.5-VL checkpoints
+    family = processor_family(processor)
+    if hf_config is not None:
+        family = model_family(hf_config)
+        config_ids = vision_token_ids(hf_config)
+        ids = {name: config_ids[name] for name in ids}
+        tokens_per_second = float(getattr(hf_config.vision_config, "tokens_per_second", None) or 2.0)
+    image_processor = processor.image_processor
+    return VisionSpec(
+        family=family,
+        image_token=image_token,
+        patch_size=int(image_processor.patch_size),
+        merge_size=int(image_processor.merge_size),
+        tokens_per_second=tokens_per_second,
+        **ids,
+    )
