@@ -145,14 +145,19 @@ def test_dapo_rejects_bad_kwargs():
         ("**RED**", "red", 1, 1),
         ("  red\n", "red", 1, 1),
         ("red, because it is warm", "red", 1, 0),
-        ("The answer is red", "red", 0, 0),
+        ("The answer is red", "red", 1, 0),
+        ("redcircle", "red", 1, 1),  # glued words (tiny tokenizers) still name the colour
+        ("red or blue", "red", 0, 0),  # naming two colours is not an answer
+        ("blue", "red", 0, 1),
         ("3", "3", 1, 1),
         ("3", 3, 1, 1),  # numeric ground truth
+        ("13", "3", 0, 1),  # numbers stand alone
+        ("3 or 4", "3", 0, 0),
         ("three", "3", 0, 1),
         ("circle!", "circle", 1, 1),
         ("", "red", 0, 0),
         (PAD, "red", 0, 0),
-        (PAD + " red", "red", 0, 0),
+        (PAD + " red", "red", 1, 0),
         ("«Rouge»", "rouge", 1, 1),
         ("红色", "红色", 1, 1),
         ("red " + HUGE, "red", 1, 0),

@@ -60,7 +60,9 @@ class CheckpointManager:
         steps = self.complete_steps()
         return os.path.join(self.root, f"global_step_{steps[-1]}") if steps else None
 
-    def save(self, step: int, write_actor: Callable[[str], None], state: dict[str, Any], score: float | None) -> str:
+    def save(
+        self, step: int, write_actor: Callable[[str], None], state: dict[str, Any], score: float | None
+    ) -> str:
         """Write a checkpoint for `step`: actor files via `write_actor(folder)`, then the trainer state."""
         final = os.path.join(self.root, f"global_step_{step}")
         tmp = final + ".tmp"

@@ -39,7 +39,9 @@ def _pad_rollout(batch: RolloutBatch, width_p: int, width_r: int, pad_id: int) -
     p = batch.prompt_length
 
     def both(x: torch.Tensor, value: float) -> torch.Tensor:  # [..., P + R] -> [..., P' + R']
-        return torch.cat([F.pad(x[..., :p], (left, 0), value=value), F.pad(x[..., p:], (0, right), value=value)], -1)
+        return torch.cat(
+            [F.pad(x[..., :p], (left, 0), value=value), F.pad(x[..., p:], (0, right), value=value)], -1
+        )
 
     def tail(x: torch.Tensor | None, value: float) -> torch.Tensor | None:  # [N, R] -> [N, R']
         return None if x is None else F.pad(x, (0, right), value=value)
@@ -56,10 +58,10 @@ def _pad_rollout(batch: RolloutBatch, width_p: int, width_r: int, pad_id: int) -
 
 def balanced_shards(batch: RolloutBatch, world_size: int) -> list[list[int]]:
     """Per-rank row indices: equal counts, similar token totals (so no rank waits on another)."""
-    from vlrl.workers.balance import balance_partitions
+    from vlrl.workers.balance import balance_across_ranks
 
     lengths = batch.attention_mask.sum(-1).tolist()
-    return balance_partitions(lengths, world_size)
+    return balance_across_ranks(lengths, world_size)
 
 
 def gather_rows(shards: list[list[int]], values: list[torch.Tensor], n_rows: int) -> torch.Tensor:

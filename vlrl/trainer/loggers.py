@@ -44,7 +44,9 @@ class FileLogger:
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
         for sample in samples:
-            self.generations_file.write(json.dumps({"step": step, **sample}, ensure_ascii=False, default=str) + "\n")
+            self.generations_file.write(
+                json.dumps({"step": step, **sample}, ensure_ascii=False, default=str) + "\n"
+            )
         self.generations_file.flush()
 
     def close(self) -> None:
@@ -67,7 +69,9 @@ class WandbLogger:
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
         if samples:
             columns = list(samples[0])
-            table = self.wandb.Table(columns=columns, data=[[str(s.get(c)) for c in columns] for s in samples])
+            table = self.wandb.Table(
+                columns=columns, data=[[str(s.get(c)) for c in columns] for s in samples]
+            )
             self.run.log({"val/generations": table}, step=step)
 
     def close(self) -> None:
@@ -96,7 +100,9 @@ class TensorboardLogger:
 class Tracker:
     """Fans every call out to the configured loggers."""
 
-    def __init__(self, names: list[str], project: str, experiment: str, folder: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self, names: list[str], project: str, experiment: str, folder: str, config: dict[str, Any]
+    ) -> None:
         self.loggers: list[Any] = []
         for name in names:
             if name == "console":

@@ -1,7 +1,7 @@
 """Command line: `python -m vlrl.trainer.main config=FILE.yaml key.sub=value ...`
 
-    --help                 every config key with its default and docstring
-    print_config=true      print the resolved config (after the file and overrides) and exit
+--help                 every config key with its default and docstring
+print_config=true      print the resolved config (after the file and overrides) and exit
 """
 
 from __future__ import annotations
@@ -68,7 +68,10 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 (show the cause, not a wall of traces; VLRL_DEBUG=1 shows all)
         if os.environ.get("VLRL_DEBUG"):
             raise
-        print(f"vlrl: training failed: {type(exc).__name__}: {exc}\n(set VLRL_DEBUG=1 for the full trace)", file=sys.stderr)
+        print(
+            f"vlrl: training failed: {type(exc).__name__}: {exc}\n(set VLRL_DEBUG=1 for the full trace)",
+            file=sys.stderr,
+        )
         sys.exit(1)
 
 

@@ -34,7 +34,11 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     values = values.float()
     if values.numel() == 0:
         return {}
-    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(), f"{prefix}/min": values.min().item()}
+    return {
+        f"{prefix}/mean": values.mean().item(),
+        f"{prefix}/max": values.max().item(),
+        f"{prefix}/min": values.min().item(),
+    }
 
 
 def batch_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:

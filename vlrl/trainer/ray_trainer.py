@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from vlrl.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, compute_advantages, filter_groups
+from vlrl.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    compute_advantages,
+    filter_groups,
+)
 from vlrl.config import PPOConfig
 from vlrl.protocol import PromptBatch, RolloutBatch
 from vlrl.rewards import RewardRunner, build_reward_inputs, scores_to_token_level
@@ -52,7 +58,7 @@ class RayPPOTrainer:
         self.history: list[dict[str, float]] = []  # per-step metrics, for the summary and the plot
         start_ray(config)
         self.ranks = RankGroup(config)
-        self.ranks.call_all("setup", self.data.max_images_per_prompt)
+        self.ranks.call_all("setup", self.data.max_images_per_prompt, self._optimizer_steps())
 
     def _total_steps(self) -> int:
         steps = len(self.data.train_loader) * self.config.trainer.total_epochs
@@ -60,13 +66,26 @@ class RayPPOTrainer:
             steps = min(steps, self.config.trainer.max_steps)
         return steps
 
+    def _optimizer_steps(self) -> int:
+        """Actor optimizer steps of the whole run: steps x mini-batches per step x PPO epochs."""
+        actor = self.config.worker.actor
+        return (
+            self.total_steps
+            * (self.config.data.rollout_batch_size // actor.global_batch_size)
+            * actor.ppo_epochs
+        )
+
     # ------------------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, float]]:
         from tqdm import tqdm
 
         self._resume()
         trainer = self.config.trainer
-        if (trainer.val_before_train or trainer.val_only) and self.data.val_loader is not None and self.global_step == 0:
+        if (
+            (trainer.val_before_train or trainer.val_only)
+            and self.data.val_loader is not None
+            and self.global_step == 0
+        ):
             self.tracker.log(self.validate(), step=0)
             if trainer.val_only:
                 return self.history
@@ -76,14 +95,18 @@ class RayPPOTrainer:
             metrics = self.train_step(self.data.next_train_batch())
             last = self.global_step == self.total_steps
             val_score = None
-            if self.data.val_loader is not None and (last or (trainer.val_freq > 0 and self.global_step % trainer.val_freq == 0)):
+            if self.data.val_loader is not None and (
+                last or (trainer.val_freq > 0 and self.global_step % trainer.val_freq == 0)
+            ):
                 val_metrics = self.validate()
                 metrics.update(val_metrics)
                 val_score = val_metrics.get("val/overall")
-            if last or (trainer.save_freq > 0 and self.global_step % trainer.save_freq == 0):
-                self.save_checkpoint(val_score)
+            # Log before saving: a crash in between re-runs this step after resume (same values)
+            # instead of leaving a checkpointed step that was never logged.
             self.history.append({"step": self.global_step, **metrics})
             self.tracker.log(metrics, step=self.global_step)
+            if last or (trainer.save_freq > 0 and self.global_step % trainer.save_freq == 0):
+                self.save_checkpoint(val_score)
             progress.update(1)
         progress.close()
         return self.history
@@ -117,7 +140,7 @@ class RayPPOTrainer:
                 batch.advantages, batch.returns = compute_advantages(
                     algo.adv_estimator, batch.token_level_rewards, batch.response_mask, batch.group_ids,
                     gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std_in_grpo,
-                    baseline_scores=self._remax_baselines(batch) if algo.adv_estimator == "remax" else None,
+                    baseline_scores=self._remax_baselines(prompts, batch) if algo.adv_estimator == "remax" else None,
                 )  # fmt: skip
             # 6. actor update, then weight sync to the engines
             with timer("update"):
@@ -132,13 +155,23 @@ class RayPPOTrainer:
 
     # ------------------------------------------------------------------------ generation
     def _generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch:
+        """Responses for `prompts` from every rank's engine, in chunks of `data.mini_rollout_batch_size`."""
         rollout = self.config.worker.rollout
-        shards = split_prompts(prompts, self.config.world_size, rollout.tensor_parallel_size)
         overrides = {"seed": _step_seed(rollout.seed, self.global_step), **(overrides or {})}
-        results = self.ranks.call("generate", shards, overrides=overrides)
-        return merge_rollouts(results, rollout.tensor_parallel_size, self.data.pad_token_id)
+        chunk = self.config.data.mini_rollout_batch_size or len(prompts)
+        parts = []
+        for start in range(0, len(prompts), chunk):
+            piece = prompts.select(list(range(start, min(start + chunk, len(prompts)))))
+            shards = split_prompts(piece, self.config.world_size, rollout.tensor_parallel_size)
+            results = self.ranks.call(
+                "generate", shards, overrides={**overrides, "seed": overrides["seed"] + start}
+            )
+            parts.append(merge_rollouts(results, rollout.tensor_parallel_size, self.data.pad_token_id))
+        return parts[0] if len(parts) == 1 else merge_rollouts(parts, 1, self.data.pad_token_id)
 
-    def _generate_scored_batch(self, prompts: PromptBatch, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+    def _generate_scored_batch(
+        self, prompts: PromptBatch, timer: PhaseTimer
+    ) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate and score; with online filtering, keep drawing prompts until the batch is full."""
         algo, trainer = self.config.algorithm, self.config.trainer
         kept: list[RolloutBatch] = []
@@ -185,16 +218,12 @@ class RayPPOTrainer:
         batch.token_level_scores = scores_to_token_level(overall, batch.response_mask)
         return result.metrics()
 
-    def _remax_baselines(self, batch: RolloutBatch) -> torch.Tensor:
-        """ReMax: the reward of a greedy response to the same prompt is each sample's baseline."""
-        n = self.config.worker.rollout.n
-        prompts = self._prompts_of(batch.select(list(range(0, len(batch), n))))
+    def _remax_baselines(self, prompts: PromptBatch, batch: RolloutBatch) -> torch.Tensor:
+        """ReMax: each sample's baseline is the reward of a greedy response to its prompt. [N]"""
         greedy = self._generate(prompts, {"n": 1, "temperature": 0.0})
         self._score(greedy)
-        return torch.tensor([s["overall"] for s in greedy.reward_parts]).repeat_interleave(n)
-
-    def _prompts_of(self, batch: RolloutBatch) -> PromptBatch:
-        return self.data.prompts_for_uids(batch.group_ids.tolist())
+        by_uid = {uid: parts["overall"] for uid, parts in zip(greedy.group_ids.tolist(), greedy.reward_parts)}
+        return torch.tensor([by_uid[uid] for uid in batch.group_ids.tolist()])
 
     # ------------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
@@ -214,7 +243,9 @@ class RayPPOTrainer:
         metrics["val/response_length"] = sum(lengths) / max(len(lengths), 1)
         metrics["timing/validation"] = time.perf_counter() - start
         if samples:
-            self.tracker.log_generations(samples[: self.config.trainer.val_generations_to_log], self.global_step)
+            self.tracker.log_generations(
+                samples[: self.config.trainer.val_generations_to_log], self.global_step
+            )
         return metrics
 
     def _generation_samples(self, batch: RolloutBatch) -> list[dict[str, Any]]:
@@ -238,7 +269,9 @@ class RayPPOTrainer:
 
     def _resume(self) -> None:
         trainer = self.config.trainer
-        path = trainer.load_checkpoint_path or (self.checkpoints.latest() if trainer.find_last_checkpoint else None)
+        path = trainer.load_checkpoint_path or (
+            self.checkpoints.latest() if trainer.find_last_checkpoint else None
+        )
         if path is None:
             return
         state = read_state(path)
@@ -256,7 +289,11 @@ class RayPPOTrainer:
 
 def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     keys = per_rank[0].keys()
-    return {k: sum(m[k] for m in per_rank) / len(per_rank) for k in keys if all(math.isfinite(m[k]) for m in per_rank)}
+    return {
+        k: sum(m[k] for m in per_rank) / len(per_rank)
+        for k in keys
+        if all(math.isfinite(m[k]) for m in per_rank)
+    }
 
 
 def _step_seed(seed: int, step: int) -> int:

@@ -6,6 +6,7 @@ rank, then `ray.get` on all of them, with the root cause of a failure shown plai
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from typing import Any
@@ -61,14 +62,19 @@ class RankGroup:
         bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
         self.placement = placement_group([bundle] * world, strategy="PACK")
         ray.get(self.placement.ready(), timeout=600)
-        strategy = [PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i) for i in range(world)]
+        strategy = [
+            PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i)
+            for i in range(world)
+        ]
         # The rendezvous address is rank 0's node, learnt by a task placed where rank 0 will run.
-        master_ip, master_port = ray.get(ray.remote(_free_port_and_ip).options(scheduling_strategy=strategy[0]).remote())
+        master_ip, master_port = ray.get(
+            ray.remote(_free_port_and_ip).options(scheduling_strategy=strategy[0]).remote()
+        )
         remote_cls = ray.remote(RankWorker)
         self.workers = [
-            remote_cls.options(scheduling_strategy=strategy[rank], num_cpus=1, num_gpus=1 if gpu else 0).remote(
-                config, rank, world, master_ip, master_port
-            )
+            remote_cls.options(
+                scheduling_strategy=strategy[rank], num_cpus=1, num_gpus=1 if gpu else 0
+            ).remote(config, rank, world, master_ip, master_port)
             for rank in range(world)
         ]
 
@@ -90,10 +96,8 @@ class RankGroup:
         return self.call(method, *([arg] * len(self.workers) for arg in args), **kwargs)
 
     def shutdown(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # best effort: the processes are killed next anyway
             ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
-        except Exception:  # noqa: BLE001 (best effort: the processes are killed next anyway)
-            pass
         for worker in self.workers:
             ray.kill(worker)
         remove_placement_group(self.placement)

@@ -19,7 +19,9 @@ from vlrl.protocol import PromptBatch, RolloutBatch
 class RankWorker:
     """Wrapped with `ray.remote` by the trainer (see `vlrl.trainer.workers.start_rank_workers`)."""
 
-    def __init__(self, config: PPOConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    def __init__(
+        self, config: PPOConfig, rank: int, world_size: int, master_addr: str, master_port: int
+    ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
         _init_process_group(config.trainer.device, rank, world_size, master_addr, master_port)
@@ -28,8 +30,11 @@ class RankWorker:
         )
         self.actor = self.reference = self.rollout = None
 
-    def setup(self, limit_images: int) -> dict[str, float]:
-        """Load the models and the engine, then give the engine the actor's weights."""
+    def setup(self, limit_images: int, optimizer_steps: int) -> dict[str, float]:
+        """Load the models and the engine, then give the engine the actor's weights.
+
+        `limit_images`: most images in one prompt of the data; `optimizer_steps`: of the whole run
+        (for the LR schedule)."""
         from vlrl.models.processor import load_processor
         from vlrl.rollout import create_rollout_engine
         from vlrl.workers.actor import Actor
@@ -37,7 +42,7 @@ class RankWorker:
 
         model = self.config.worker.actor.model
         tokenizer, processor = load_processor(model.tokenizer_path, self.config.data.override_chat_template)
-        self.actor = Actor(self.config, model.model_path, processor, self.device)
+        self.actor = Actor(self.config, model.model_path, processor, self.device, total_steps=optimizer_steps)
         if self.config.use_reference:
             self.reference = Reference(self.config, model.model_path, processor, self.device)
         self.rollout = create_rollout_engine(

@@ -1,0 +1,142 @@
+"""End to end through the real CLI: Ray, rank workers with vLLM SPMD engines, FSDP2 actors, rewards.
+
+Each run is a subprocess (`python -m vlrl.trainer.main ...`), as a user would start it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from vlrl.data.synthetic import make_shapes_dataset
+    from vlrl.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("e2e")
+    model = build_tiny_model(root / "model", arch="qwen2_5_vl", seed=0, min_pixels=3136, max_pixels=12544)
+    train, val = make_shapes_dataset(root / "data", n_train=64, n_val=8, seed=0, task="colour")
+    return {"model": model, "train": Path(train), "val": Path(val)}
+
+
+def _args(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return [
+        f"config={REPO / 'examples' / 'quickstart.yaml'}",
+        f"worker.actor.model.model_path={assets['model']}",
+        f"data.train_files={assets['train']}",
+        f"data.val_files={assets['val']}",
+        f"trainer.save_checkpoint_path={out}",
+        f"data.format_prompt={REPO / 'format_prompts' / 'shapes.jinja'}",
+        f"worker.reward.reward_function={REPO / 'reward_functions' / 'shapes.py'}:compute_score",
+        "data.rollout_batch_size=4",
+        "worker.actor.global_batch_size=2",
+        "worker.actor.micro_batch_size_per_device_for_update=4",
+        "worker.actor.micro_batch_size_per_device_for_experience=8",
+        "worker.rollout.n=4",
+        "trainer.plot_path=null",
+        "trainer.logger=[console,file]",
+        *extra,
+    ]
+
+
+def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLRL_DEBUG": "1"}
+    proc = subprocess.run([sys.executable, "-m", "vlrl.trainer.main", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, f"run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def _metrics(out: Path) -> dict[int, dict[str, float]]:
+    lines = (out / "logs" / "metrics.jsonl").read_text().splitlines()
+    return {row["step"]: row for row in map(json.loads, lines)}
+
+
+def test_two_ranks_train_checkpoint_and_resume(assets: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    common = ["trainer.n_gpus_per_node=2", "algorithm.disable_kl=false", "algorithm.use_kl_loss=true",
+              "algorithm.kl_penalty=low_var_kl", "trainer.save_freq=2", "trainer.val_before_train=false",
+              "trainer.val_freq=-1"]  # fmt: skip
+    _run(_args(assets, out, *common, "trainer.max_steps=2"))
+    metrics = _metrics(out)
+    assert sorted(metrics) == [1, 2]
+    for step in (1, 2):
+        row = metrics[step]
+        assert 0.0 <= row["reward/overall"] <= 1.0
+        assert row["actor/grad_norm"] > 0  # the update reached the weights
+        assert "actor/kl_loss" in row and row["timing/gen"] > 0 and row["timing/update"] > 0
+        assert row["perf/tokens_per_s"] > 0
+    assert "val/overall" in metrics[2]  # validation at the end
+    assert (out / "global_step_2" / "trainer_state.json").is_file()
+    tracker = json.loads((out / "checkpoint_tracker.json").read_text())
+    assert tracker["latest"] == 2
+
+    proc = _run(_args(assets, out, *common, "trainer.max_steps=3"))
+    assert "resumed from" in proc.stdout + proc.stderr
+    assert sorted(_metrics(out)) == [1, 2, 3]  # step 3 ran after the resume; 1-2 were not repeated
+    assert (out / "global_step_3").is_dir()
+
+
+def _start(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLRL_DEBUG": "1"}
+    with open(log, "w") as f:
+        # A new session, so the kill below takes Ray's processes with the driver.
+        return subprocess.Popen([sys.executable, "-m", "vlrl.trainer.main", *args], cwd=REPO, env=env,
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def test_kill_mid_step_and_resume_matches_uninterrupted_run(assets: dict[str, Path], tmp_path: Path) -> None:
+    common = ["trainer.n_gpus_per_node=1", "trainer.save_freq=1", "trainer.val_before_train=false",
+              "trainer.val_freq=-1", "data.val_files=''", "trainer.max_steps=4"]  # fmt: skip
+    reference = tmp_path / "uninterrupted"
+    _run(_args(assets, reference, *common))
+    expected = _metrics(reference)
+
+    killed = tmp_path / "killed"
+    proc = _start(_args(assets, killed, *common), tmp_path / "killed.log")
+    deadline = time.time() + 600
+    # wait until step 2 is checkpointed and logged, then kill during step 3
+    while time.time() < deadline and proc.poll() is None:
+        if (killed / "global_step_2" / "trainer_state.json").exists() and 2 in _safe_metrics(killed):
+            break
+        time.sleep(0.2)
+    time.sleep(0.5)
+    assert proc.poll() is None, (
+        "the run ended before it could be killed:\n" + (tmp_path / "killed.log").read_text()[-3000:]
+    )
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before_kill = max(_safe_metrics(killed))
+    assert done_before_kill < 4
+
+    proc = _run(_args(assets, killed, *common))
+    assert "resumed from" in proc.stdout + proc.stderr
+    resumed = _metrics(killed)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in range(done_before_kill + 1, 5):
+        for key in (
+            "reward/overall",
+            "response_length/mean",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "critic/score/mean",
+        ):
+            assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def _safe_metrics(out: Path) -> dict[int, dict[str, float]]:
+    try:
+        return _metrics(out)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}

@@ -1,0 +1,63 @@
+"""The driver's view of the data: tokenizer, processor, train/validation loaders, epochs, resume."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlrl.config import PPOConfig
+from vlrl.protocol import PromptBatch
+
+
+class TrainingData:
+    def __init__(self, config: PPOConfig) -> None:
+        from transformers import AutoConfig
+
+        from vlrl.data import create_dataloaders
+        from vlrl.models.processor import load_processor
+
+        model = config.worker.actor.model
+        self.tokenizer, self.processor = load_processor(
+            model.tokenizer_path, config.data.override_chat_template
+        )
+        hf_config = AutoConfig.from_pretrained(model.model_path, trust_remote_code=model.trust_remote_code)
+        self.train_loader, self.val_loader = create_dataloaders(
+            config.data, self.tokenizer, self.processor, hf_config
+        )
+        self.pad_token_id = self.train_loader.pad_token_id
+        self.max_images_per_prompt = max(
+            _max_markers(loader.dataset, config.data.prompt_key)
+            for loader in (self.train_loader, self.val_loader)
+            if loader
+        )
+        self._batches = iter(self.train_loader)
+
+    @property
+    def epoch(self) -> int:
+        return self.train_loader.epoch
+
+    def next_train_batch(self) -> PromptBatch:
+        """The next batch, crossing into the next epoch (reshuffled) when this one ends."""
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._batches = iter(self.train_loader)
+            return next(self._batches)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.train_loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train_loader.load_state_dict(state)
+        self._batches = iter(self.train_loader)
+
+
+def _max_markers(dataset: Any, prompt_key: str) -> int:
+    """Most `<image>` markers in one prompt (the data pipeline checked they match the images)."""
+    from vlrl.data.prompts import count_markers
+
+    most = 0
+    for source in dataset.sources:
+        if prompt_key in source.dataset.column_names:
+            for text in source.dataset[prompt_key]:
+                most = max(most, count_markers(str(text))[0])
+    return most
