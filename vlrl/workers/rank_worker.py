@@ -44,7 +44,10 @@ class RankWorker:
         tokenizer, processor = load_processor(model.tokenizer_path, self.config.data.override_chat_template)
         self.actor = Actor(self.config, model.model_path, processor, self.device, total_steps=optimizer_steps)
         if self.config.use_reference:
-            self.reference = Reference(self.config, model.model_path, processor, self.device)
+            # shares the actor's per-step cache of image tensors: each image is processed once
+            self.reference = Reference(
+                self.config, model.model_path, processor, self.device, vision_cache=self.actor.vision
+            )
         self.rollout = create_rollout_engine(
             self.config.worker.rollout, self.config.data, model.model_path, tokenizer, processor,
             limit_images=limit_images,
@@ -78,10 +81,16 @@ class RankWorker:
         return sync_weights(self.actor.module, self.rollout, self.config.worker.rollout.sync_bucket_mb)
 
     # ------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, path: str, with_hf: bool) -> None:
-        self.actor.save_checkpoint(path)
-        if with_hf:
+    def save_checkpoint(self, path: str, model_only: bool) -> None:
+        """Sharded actor state + the config/processor (for `vlrl.tools.model_merger`) written by rank 0;
+        with `model_only`, just a Hugging Face folder of the weights (not resumable)."""
+        if model_only:
             self.actor.save_hf(os.path.join(path, "huggingface"))
+            return
+        self.actor.save_checkpoint(path)
+        if self.rank == 0:
+            self.actor.hf_config.save_pretrained(os.path.join(path, "hf_config"))
+            self.actor._tokenizer_or_processor().save_pretrained(os.path.join(path, "hf_config"))
 
     def load_checkpoint(self, path: str) -> dict[str, float]:
         self.actor.load_checkpoint(path)

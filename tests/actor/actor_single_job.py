@@ -1,0 +1,188 @@
+"""What the world-size-1 rank runs for tests/actor/test_single_rank.py (one forked process).
+
+FSDP2 needs a process group, so these checks run in a child process with a 1-rank gloo group
+instead of initializing one inside pytest. Results are plain numbers saved to `out_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from actor_helpers import init_gloo, make_batch, make_config
+
+from vlrl.models.loading import load_model
+from vlrl.models.packing import build_padded_inputs, forward_log_probs
+from vlrl.models.processor import load_processor
+from vlrl.protocol import RolloutBatch
+from vlrl.workers.actor import Actor, _UpdateStats, gathered_grads
+from vlrl.workers.optim import lr_factor
+from vlrl.workers.reference import Reference
+from vlrl.workers.vision import VisionCache
+
+SPECS = [(True, 6), (False, 9), (True, 3), (False, 5)]
+
+
+def plain_log_probs(model_dir: str, batch: RolloutBatch, model=None) -> torch.Tensor:
+    """Padded log-probs of an unsharded model (the model on disk unless `model` is given)."""
+    model = model or load_model(model_dir, padding_free=False)
+    pv = grid = None
+    if any(batch.images):
+        _, processor = load_processor(model_dir)
+        pv, grid = VisionCache(processor.image_processor).collate(batch.images)
+    inputs = build_padded_inputs(
+        batch.input_ids,
+        batch.attention_mask,
+        batch.position_ids,
+        batch.prompt_length,
+        pixel_values=pv,
+        image_grid_thw=grid,
+    )
+    with torch.no_grad():
+        return forward_log_probs(model, inputs).log_probs
+
+
+def err(a: torch.Tensor, b: torch.Tensor, batch: RolloutBatch) -> float:
+    return float((a - b)[batch.response_mask.bool()].abs().max())
+
+
+def train_fields(batch: RolloutBatch, log_probs: torch.Tensor) -> RolloutBatch:
+    batch.old_log_probs = log_probs
+    signs = torch.tensor([1.0, -1.0] * len(batch))[: len(batch)]
+    batch.advantages = signs[:, None] * batch.response_mask
+    return batch
+
+
+def check_vlm(model_dir: str, out_dir: str, results: dict[str, Any]) -> None:
+    _, processor = load_processor(model_dir)
+    batch = make_batch(model_dir, SPECS, group_size=2, seed=5)
+    expected = plain_log_probs(model_dir, batch)
+    variants = {
+        "packed": make_config(model_dir),
+        "padded": make_config(model_dir, worker__actor__padding_free=False),
+        "dynamic": make_config(
+            model_dir, worker__actor__dynamic_batching=True, worker__actor__max_token_len_per_device=100
+        ),
+    }
+    for name, config in variants.items():
+        actor = Actor(config, model_dir, processor, "cpu")
+        results[f"logp_err/{name}"] = err(actor.compute_log_probs(batch, 1.0), expected, batch)
+    reference = Reference(variants["packed"], model_dir, processor, "cpu")
+    results["ref_err"] = err(reference.compute_log_probs(batch, 1.0), expected, batch)
+    # Update, export, reload with plain transformers: same log-probs as the actor now has.
+    train_fields(batch, expected)
+    for _ in range(2):
+        actor.update_policy(batch)
+    now = actor.compute_log_probs(batch, 1.0)
+    results["moved"] = err(now, expected, batch)
+    hf_dir = os.path.join(out_dir, "hf_vlm")
+    actor.save_hf(hf_dir)
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    reloaded = AutoModelForImageTextToText.from_pretrained(hf_dir, attn_implementation="sdpa")
+    results["hf_err"] = err(plain_log_probs(model_dir, batch, reloaded), now, batch)
+    results["hf_processor"] = type(AutoProcessor.from_pretrained(hf_dir)).__name__
+    results["hf_attn"] = AutoConfig.from_pretrained(hf_dir).text_config._attn_implementation
+
+
+def check_gradient_checkpointing(model_dir: str, results: dict[str, Any]) -> None:
+    """Checkpointed layers must still see the packed-attention kwargs: same gradients."""
+    _, processor = load_processor(model_dir)
+    batch = train_fields(make_batch(model_dir, SPECS, seed=6), torch.full((4, 9), -6.5))
+    grads = []
+    for flag in (False, True):
+        actor = Actor(
+            make_config(model_dir, worker__actor__model__enable_gradient_checkpointing=flag),
+            model_dir,
+            processor,
+            "cpu",
+        )
+        actor.module.train()
+        results[f"ckpting_layers/{flag}"] = sum(
+            bool(getattr(m, "gradient_checkpointing", False)) for m in actor.module.modules()
+        )
+        actor.forward_backward(batch, _UpdateStats(), image_anchor=True)
+        grads.append(gathered_grads(actor.module))
+    results["ckpting_grad_err"] = max(float((grads[0][k] - grads[1][k]).abs().max()) for k in grads[0])
+
+
+def check_schedule(model_dir: str, results: dict[str, Any]) -> None:
+    """Warm-up + cosine with adamw_bf16 and an entropy bonus: the lr per step follows the formula."""
+    _, processor = load_processor(model_dir)
+    config = make_config(
+        model_dir, worker__actor__optim__strategy="adamw_bf16", worker__actor__optim__lr_warmup_steps=2,
+        worker__actor__optim__lr_scheduler_type="cosine", worker__actor__optim__min_lr_ratio=0.1,
+        worker__actor__entropy_coeff=0.01,
+    )  # fmt: skip
+    actor = Actor(config, model_dir, processor, "cpu", total_steps=5)
+    batch = train_fields(make_batch(model_dir, SPECS, seed=7), torch.full((4, 9), -6.5))
+    results["lrs"] = [actor.update_policy(batch)["actor/lr"] for _ in range(5)]
+    results["lrs_expected"] = [
+        config.worker.actor.optim.lr * lr_factor(s, config.worker.actor.optim, 5) for s in range(5)
+    ]
+
+
+def check_other_arch(model_dir: str, arch: str, out_dir: str, results: dict[str, Any]) -> None:
+    """Text-only Qwen2 and Qwen3-VL: log-probs match the plain model, updates run, HF export loads."""
+    tokenizer, processor = load_processor(model_dir)
+    batch = make_batch(model_dir, SPECS, seed=8)
+    expected = plain_log_probs(model_dir, batch)
+    actor = Actor(make_config(model_dir), model_dir, processor, "cpu")
+    results[f"{arch}/logp_err"] = err(actor.compute_log_probs(batch, 1.0), expected, batch)
+    train_fields(batch, expected)
+    results[f"{arch}/losses"] = [actor.update_policy(batch)["actor/pg_loss"] for _ in range(3)]
+    if arch == "qwen2":
+        from transformers import AutoTokenizer
+
+        actor.save_hf(os.path.join(out_dir, "hf_text"))
+        results["text_tokenizer_vocab"] = len(AutoTokenizer.from_pretrained(os.path.join(out_dir, "hf_text")))
+        results["text_vocab"] = len(tokenizer)
+
+
+def check_tied_embeddings(model_dir: str, out_dir: str, results: dict[str, Any]) -> None:
+    """A model with tie_word_embeddings (Qwen2.5-VL-3B style) trains, exports and reloads tied."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    tied = os.path.join(out_dir, "tied_model")
+    shutil.copytree(model_dir, tied)
+    config_path = Path(tied) / "config.json"
+    config = json.loads(config_path.read_text())
+    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
+    config_path.write_text(json.dumps(config))
+    weights = load_file(os.path.join(tied, "model.safetensors"))
+    weights.pop("lm_head.weight")
+    save_file(weights, os.path.join(tied, "model.safetensors"), metadata={"format": "pt"})
+    _, processor = load_processor(tied)
+    actor = Actor(make_config(tied), tied, processor, "cpu")
+    module = actor.module
+    results["tied/in_actor"] = module.lm_head.weight is module.model.language_model.embed_tokens.weight
+    batch = make_batch(tied, SPECS, seed=9)
+    train_fields(batch, actor.compute_log_probs(batch, 1.0))
+    actor.update_policy(batch)
+    now = actor.compute_log_probs(batch, 1.0)
+    actor.save_hf(os.path.join(out_dir, "hf_tied"))
+    reloaded = AutoModelForImageTextToText.from_pretrained(os.path.join(out_dir, "hf_tied"))
+    results["tied/reloaded"] = reloaded.lm_head.weight is reloaded.model.language_model.embed_tokens.weight
+    results["tied/err"] = err(plain_log_probs(tied, batch, reloaded), now, batch)
+
+
+def run(rank: int, world: int, port: int, models: dict[str, str], out_dir: str) -> None:
+    init_gloo(rank, world, port)
+    results: dict[str, Any] = {}
+    try:
+        check_vlm(models["qwen2_5_vl"], out_dir, results)
+        check_gradient_checkpointing(models["qwen2_5_vl"], results)
+        check_schedule(models["qwen2_5_vl"], results)
+        check_tied_embeddings(models["qwen2_5_vl"], out_dir, results)
+        for arch in ("qwen2", "qwen3_vl"):
+            check_other_arch(models[arch], arch, out_dir, results)
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, "results.pt"))

@@ -1,0 +1,23 @@
+"""Fixtures for the actor tests: tiny model folders, built once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def actor_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    """`actor_model(arch)`: path of a tiny model folder for `arch`, built on first use."""
+    from vlrl.models.tiny import build_tiny_model
+
+    built: dict[str, Path] = {}
+
+    def get(arch: str = "qwen2_5_vl") -> str:
+        if arch not in built:
+            built[arch] = build_tiny_model(tmp_path_factory.mktemp(f"actor_{arch}"), arch=arch)
+        return str(built[arch])
+
+    return get

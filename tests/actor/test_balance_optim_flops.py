@@ -1,0 +1,160 @@
+"""Pure helpers of the actor: length balancing, optimizer/schedule/skip, FLOPs, vision inputs."""
+
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+
+from vlrl.config import OptimConfig
+from vlrl.utils.flops import decoder_matmul_params, forward_flops, measured_cpu_peak, mfu, training_flops
+from vlrl.workers.balance import (
+    balance_across_ranks,
+    count_micro_batches,
+    imbalance,
+    inverse_permutation,
+    micro_batches_by_tokens,
+    partition,
+)
+from vlrl.workers.optim import AdamWBf16, build_optimizer, clip_and_step, lr_factor
+from vlrl.workers.vision import VisionCache
+
+
+# ------------------------------------------------------------------------------------ balance
+def test_balance_across_ranks_equal_counts_and_better_than_contiguous():
+    rng = random.Random(0)
+    lengths = [rng.choice([20, 30, 400, 900]) + rng.randrange(50) for _ in range(64)]
+    parts = balance_across_ranks(lengths, 4)
+    assert sorted(i for p in parts for i in p) == list(range(64))
+    assert all(len(p) == 16 for p in parts)
+    contiguous = [list(range(r * 16, (r + 1) * 16)) for r in range(4)]
+    assert imbalance(lengths, parts) < 1.02 < imbalance(lengths, contiguous)
+
+
+def test_inverse_permutation_restores_order_and_groups_travel_with_rows():
+    lengths = [5, 1, 9, 3, 7, 2]
+    group_ids = [0, 0, 1, 1, 2, 2]
+    parts = balance_across_ranks(lengths, 2)
+    flat = [i for p in parts for i in p]
+    reordered = [group_ids[i] for i in flat]
+    inverse = inverse_permutation(parts)
+    assert [reordered[inverse[i]] for i in range(6)] == group_ids
+
+
+def test_partition_rejects_uneven_equal_split():
+    with pytest.raises(ValueError, match="equal size"):
+        partition([1, 2, 3], 2)
+
+
+def test_micro_batches_by_tokens_respect_the_budget():
+    lengths = [100, 30, 60, 10, 90, 40, 70, 20]
+    count = count_micro_batches(lengths, 150)
+    parts = micro_batches_by_tokens(lengths, count)
+    assert len(parts) == count == 3
+    assert all(sum(lengths[i] for i in p) <= 150 for p in parts)
+    assert sorted(i for p in parts for i in p) == list(range(8))
+    assert len(micro_batches_by_tokens([5], 3)) == 3  # more micro-batches than samples: empties
+    assert count_micro_batches([500, 10], 100) == 2  # an over-long sample gets its own
+
+
+# -------------------------------------------------------------------------------------- optim
+def _opt_cfg(**kw) -> OptimConfig:
+    cfg = OptimConfig(lr=1.0)
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_lr_factor_warmup_then_constant_or_cosine():
+    const = _opt_cfg(lr_warmup_ratio=0.2)
+    assert [lr_factor(s, const, 10) for s in range(3)] == [0.5, 1.0, 1.0]
+    cos = _opt_cfg(lr_warmup_steps=0, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    assert lr_factor(0, cos, 10) == 1.0
+    assert lr_factor(5, cos, 10) == pytest.approx(0.55)
+    assert lr_factor(10, cos, 10) == pytest.approx(0.1)
+
+
+def test_adamw_bf16_tracks_adamw():
+    torch.manual_seed(0)
+    w0 = torch.randn(64, 64)
+    weights = [w0.clone().requires_grad_(), w0.clone().requires_grad_()]
+    opts = [
+        torch.optim.AdamW([weights[0]], lr=1e-2, weight_decay=0.1),
+        AdamWBf16([weights[1]], lr=1e-2, weight_decay=0.1),
+    ]
+    for _ in range(20):
+        x = torch.randn(8, 64)
+        for w, opt in zip(weights, opts):
+            ((x @ w).square().mean()).backward()
+            opt.step()
+            opt.zero_grad()
+    assert opts[1].state[weights[1]]["exp_avg"].dtype == torch.bfloat16
+    moved = (weights[0] - w0).abs().mean()
+    assert (weights[0] - weights[1]).abs().mean() < 0.05 * moved
+
+
+def test_non_finite_step_is_skipped_and_finite_step_is_clipped():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = build_optimizer([w], _opt_cfg(lr=0.1, weight_decay=0.0))
+    w.grad = torch.tensor([1.0, float("inf"), 0.0])
+    norm, skipped = clip_and_step(opt, [w], 1.0)
+    assert skipped and not math.isfinite(norm) and w.grad is None
+    assert torch.equal(w.detach(), torch.ones(3)) and not opt.state
+    w.grad = torch.tensor([30.0, 40.0, 0.0])
+    norm, skipped = clip_and_step(opt, [w], 1.0)
+    assert not skipped and norm == pytest.approx(50.0)
+    assert not torch.equal(w.detach(), torch.ones(3))
+
+
+# -------------------------------------------------------------------------------------- flops
+def test_flops_by_hand():
+    cfg = SimpleNamespace(
+        hidden_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=16,
+        num_hidden_layers=3,
+        vocab_size=10,
+    )
+    # per layer: q 8*8 + k,v 2*8*4 + o 8*8 = 192; mlp 3*8*16 = 384; lm head 80
+    assert decoder_matmul_params(cfg) == 3 * (192 + 384) + 80
+    n = decoder_matmul_params(cfg)
+    assert forward_flops(cfg, [4]) == 2 * n * 4 + 4 * 3 * 2 * 4 * (4 * 5 / 2)
+    assert training_flops(cfg, [4, 2]) == 3 * (forward_flops(cfg, [4]) + forward_flops(cfg, [2]))
+
+
+def test_cpu_peak_and_mfu():
+    peak = measured_cpu_peak()
+    assert peak > 1e8
+    assert mfu(peak, 2.0, "cpu") == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------------------------- vision
+class _CountingProcessor:
+    """Wraps an image processor and counts calls."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+        self.patch_size, self.merge_size = inner.patch_size, inner.merge_size
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        return self.inner(**kwargs)
+
+
+def test_vision_cache_reuses_group_images_and_keeps_sizes(actor_model):
+    from vlrl.models.processor import load_processor
+
+    _, processor = load_processor(actor_model("qwen2_5_vl"))
+    counting = _CountingProcessor(processor.image_processor)
+    cache = VisionCache(counting)
+    img = Image.new("RGB", (28 * 5, 28 * 3), (10, 200, 30))  # conforming: not resized
+    pv, grid = cache.collate([[img], [img], [], [img]])
+    assert counting.calls == 1
+    assert grid.tolist() == [[1, 6, 10]] * 3
+    assert pv.shape[0] == 3 * 60
+    assert cache.collate([[], []]) == (None, None)

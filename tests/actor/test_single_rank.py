@@ -1,0 +1,64 @@
+"""The actor and reference on a 1-rank gloo group (one forked process; see actor_single_job.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from actor_helpers import launch
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def job(actor_model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    import actor_single_job
+
+    out = tmp_path_factory.mktemp("single_rank")
+    models = {arch: actor_model(arch) for arch in ("qwen2_5_vl", "qwen2", "qwen3_vl")}
+    launch(actor_single_job.run, 1, models, str(out))
+    return torch.load(Path(out) / "results.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("variant", ["packed", "padded", "dynamic"])
+def test_actor_log_probs_match_the_plain_model(job, variant):
+    assert job[f"logp_err/{variant}"] < 1e-4
+
+
+def test_reference_log_probs_match(job):
+    assert job["ref_err"] < 1e-4
+
+
+def test_save_hf_reloads_with_transformers(job):
+    assert job["moved"] > 1e-3  # the update changed the policy
+    assert job["hf_err"] < 1e-4
+    assert job["hf_processor"].startswith("Qwen2_5_VL")
+    assert job["hf_attn"] != "vlrl_varlen"
+
+
+def test_gradient_checkpointing_keeps_packed_attention(job):
+    assert job["ckpting_layers/False"] == 0 and job["ckpting_layers/True"] > 0
+    assert job["ckpting_grad_err"] < 1e-6
+
+
+def test_warmup_cosine_schedule_with_bf16_adamw(job):
+    assert job["lrs"] == pytest.approx(job["lrs_expected"], rel=1e-6)
+    assert job["lrs"][0] < job["lrs"][1] > job["lrs"][-1]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_vl"])
+def test_other_architectures(job, arch):
+    assert job[f"{arch}/logp_err"] < 1e-4
+    losses = job[f"{arch}/losses"]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_text_model_export_has_its_tokenizer(job):
+    assert job["text_tokenizer_vocab"] == job["text_vocab"]
+
+
+def test_tied_embeddings_train_and_export(job):
+    assert job["tied/in_actor"] and job["tied/reloaded"]
+    assert job["tied/err"] < 1e-4

@@ -1,0 +1,205 @@
+"""Block-diagonal causal attention for packed ("padding-free") sequences.
+
+transformers' sdpa/eager implementations treat a packed row [1, total] as ONE sequence: tokens of
+the second sample attend to the first. So we register our own attention function under
+`VARLEN_ATTENTION` with `transformers.AttentionInterface` and tell it where each sequence starts
+through an extra forward kwarg, `vlrl_varlen=VarlenInfo(...)`. transformers passes unknown forward
+kwargs down to every attention call (decoder layers and, harmlessly, the vision blocks, whose own
+implementation ignores them), also through gradient checkpointing, so no global state is needed.
+
+Only the text decoder uses this function: `set_text_attention` switches the text sub-config and
+leaves the vision tower on its own implementation (it already attends per image).
+
+Backends, picked once per `VarlenInfo`:
+- "flash": `flash_attn_varlen_func` (CUDA, when flash-attn is importable);
+- "torch_varlen": `torch.nn.attention.varlen.varlen_attn` (CUDA, torch >= 2.9);
+- "loop": one causal sdpa call per sequence, cost sum(L_i^2) (default on CPU: see benchmarks);
+- "mask": one sdpa call over the whole row with a [T, T] block-diagonal causal mask, cost T^2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+VARLEN_ATTENTION = "vlrl_varlen"
+BACKENDS = ("auto", "flash", "torch_varlen", "loop", "mask")
+
+
+@dataclass
+class VarlenInfo:
+    """Where the sequences of a packed row start. Built once per forward, shared by all layers."""
+
+    cu_seqlens: torch.Tensor  # [S + 1] int32 cumulative lengths, on the compute device
+    lengths: list[int]  # the S lengths as Python ints (no device sync inside the layers)
+    backend: str = "auto"
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.lengths) if self.lengths else 0
+
+    def block_causal_mask(self) -> torch.Tensor:
+        """[T, T] bool, True where query t may attend key s: same sequence and s <= t. Cached."""
+        if self._mask is None:
+            device = self.cu_seqlens.device
+            lengths = torch.tensor(self.lengths, device=device)
+            seg = torch.repeat_interleave(torch.arange(len(self.lengths), device=device), lengths)  # [T]
+            idx = torch.arange(seg.numel(), device=device)
+            self._mask = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+        return self._mask
+
+
+def make_varlen_info(lengths: list[int], device: torch.device | str, backend: str = "auto") -> VarlenInfo:
+    """A `VarlenInfo` for sequences of `lengths` packed in this order."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown varlen attention backend {backend!r}; valid: {list(BACKENDS)}")
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    return VarlenInfo(cu_seqlens=cu.to(device), lengths=list(lengths), backend=backend)
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash"
+        if _torch_varlen() is not None:
+            return "torch_varlen"
+    return "loop"
+
+
+def _torch_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _sdpa(q, k, v, *, causal: bool, mask: torch.Tensor | None, scale: float | None, dropout: float):
+    """sdpa with grouped-query heads: q [B, H, T, D], k/v [B, Hkv, T, D] -> [B, H, T, D]."""
+    if k.shape[1] != q.shape[1]:  # repeat kv heads: older torch lacks enable_gqa on some paths
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale
+    )
+
+
+def _flash_varlen(q, k, v, info: VarlenInfo, scale: float | None, dropout: float, backend: str):
+    """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D] with a varlen CUDA kernel."""
+    q3, k3, v3 = (x[0].transpose(0, 1) for x in (q, k, v))  # [T, H, D]
+    cu, max_len = info.cu_seqlens, info.max_seqlen
+    if backend == "flash":
+        from flash_attn import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(
+            q3, k3, v3, cu, cu, max_len, max_len, dropout, softmax_scale=scale, causal=True
+        )
+    else:
+        fn = _torch_varlen()
+        extra = {"enable_gqa": True} if k3.shape[1] != q3.shape[1] else {}
+        if "is_causal" in inspect.signature(fn).parameters:  # torch 2.9/2.10 spelling
+            extra["is_causal"] = True
+        else:
+            extra["window_size"] = (-1, 0)
+        out = fn(q3, k3, v3, cu, cu, max_len, max_len, scale=scale, **extra)
+    return out.transpose(0, 1).unsqueeze(0)
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    vlrl_varlen: VarlenInfo | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function transformers calls per layer. query [1, H, T, D]; returns ([1, T, H, D], None).
+
+    Without `vlrl_varlen` (a padded batch, generation) it is transformers' own sdpa attention, with
+    the mask `varlen_mask` had transformers prepare, so a model left on this implementation still
+    handles padded batches exactly like "sdpa".
+    """
+    if vlrl_varlen is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects one row, got a batch of {query.shape[0]}")
+    backend = _resolve_backend(vlrl_varlen.backend, query.device)
+    if backend in ("flash", "torch_varlen"):
+        out = _flash_varlen(query, key, value, vlrl_varlen, scaling, dropout, backend)
+    elif backend == "mask":
+        mask = vlrl_varlen.block_causal_mask()
+        out = _sdpa(query, key, value, causal=False, mask=mask, scale=scaling, dropout=dropout)
+    else:  # loop: each sequence attends only to itself
+        outs, start = [], 0
+        for length in vlrl_varlen.lengths:
+            end = start + length
+            sl = slice(start, end)
+            outs.append(
+                _sdpa(
+                    query[:, :, sl],
+                    key[:, :, sl],
+                    value[:, :, sl],
+                    causal=True,
+                    mask=None,
+                    scale=scaling,
+                    dropout=dropout,
+                )
+            )
+            start = end
+        out = torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """Mask builder transformers calls for our implementation (once per forward, not per layer).
+
+    Packed rows come without a 2-D padding mask: return None (no [T, T] mask is ever built; the
+    attention uses `VarlenInfo`). Padded batches get exactly the mask "sdpa" would get.
+    """
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def register_varlen_attention() -> str:
+    """Register our attention and mask functions with transformers (idempotent); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN_ATTENTION, varlen_mask)
+    return VARLEN_ATTENTION
+
+
+def text_config(model: torch.nn.Module):
+    """The config object the text decoder's attention layers read (text_config for VLMs)."""
+    config = model.config
+    return getattr(config, "text_config", None) or config
+
+
+def set_text_attention(model: torch.nn.Module, name: str) -> None:
+    """Switch only the text decoder to attention implementation `name` (vision keeps its own).
+
+    Attention layers look their implementation up in their config at every call, so this takes
+    effect immediately, also on an FSDP-wrapped model.
+    """
+    if name == VARLEN_ATTENTION:
+        register_varlen_attention()
+    text_config(model)._attn_implementation = name

@@ -1,0 +1,119 @@
+"""Load a policy / reference model from a Hugging Face folder, ready to be sharded.
+
+VLMs (a config with `vision_config`) load with `AutoModelForImageTextToText`, text-only models with
+`AutoModelForCausalLM`. The text decoder's attention is switched to our packed implementation when
+`padding_free` (see vlrl.models.attention); the vision tower keeps sdpa (it attends per image).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vlrl.models.attention import VARLEN_ATTENTION, set_text_attention
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
+    """torch dtype from a config string (float32/fp32/bfloat16/bf16/float16/fp16); None -> default."""
+    if name is None:
+        return default
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def is_vision_model(hf_config: Any) -> bool:
+    """True for configs with a vision tower (Qwen2/2.5/3-VL)."""
+    return getattr(hf_config, "vision_config", None) is not None
+
+
+def load_config(model_path: str, overrides: dict[str, Any] | None = None, trust_remote_code: bool = False):
+    """The model's config with `overrides` applied (to the text sub-config too when it has the key)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+        text = getattr(config, "text_config", None)
+        if text is not None and hasattr(text, key):
+            setattr(text, key, value)
+    return config
+
+
+def model_class(hf_config: Any):
+    """The Auto class that builds this config's model with an LM head."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_model(hf_config) else AutoModelForCausalLM
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision encoder (including its merger) of a Qwen-VL model, or None."""
+    for path in ("model.visual", "visual", "model.vision_tower", "vision_tower"):
+        module: Any = model
+        for name in path.split("."):
+            module = getattr(module, name, None)
+            if module is None:
+                break
+        if isinstance(module, torch.nn.Module):
+            return module
+    return None
+
+
+def load_model(
+    model_path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    overrides: dict[str, Any] | None = None,
+    padding_free: bool = True,
+    gradient_checkpointing: bool = False,
+    freeze_vision: bool = False,
+    trust_remote_code: bool = False,
+    on_meta: bool = False,
+) -> torch.nn.Module:
+    """Build the model of `model_path` in `dtype` on CPU (or with empty weights on meta when `on_meta`).
+
+    `on_meta` is for ranks > 0 when rank 0 broadcasts the weights after sharding (vlrl.workers.fsdp).
+    """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    config = load_config(model_path, overrides, trust_remote_code)
+    cls = model_class(config)
+    if on_meta:
+        with torch.device("meta"):
+            model = cls.from_config(
+                config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
+            )
+    else:
+        model = cls.from_pretrained(
+            model_path,
+            config=config,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            trust_remote_code=trust_remote_code,
+        )
+    model.config.use_cache = False
+    if padding_free:
+        set_text_attention(model, VARLEN_ATTENTION)
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing composes with FSDP2 and passes our forward kwargs through.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if freeze_vision:
+        tower = vision_tower(model)
+        if tower is None:
+            raise ValueError("freeze_vision_tower=true but the model has no vision tower")
+        tower.requires_grad_(False)
+    return model

@@ -1,0 +1,224 @@
+"""Model inputs for one micro-batch, padded or packed, and the response log-probs from the logits.
+
+A `RolloutBatch` row is [prompt (left-padded) | response (right-padded)], L = P + R columns.
+
+- Padded mode feeds the rows as they are ([N, L] with the attention mask).
+- Packed ("padding-free") mode drops every padding token and concatenates the N sequences into
+  one row [1, T], T = sum of real lengths. Position ids are taken from the batch (already correct
+  per sample, 1-D or 3-D mrope) so they restart per sequence; `VarlenInfo` tells our attention
+  function (vlrl.models.attention) where each sequence starts, which keeps them independent.
+
+Either way only the logits that score response tokens are computed (`logits_to_keep` holds their
+positions), so the lm-head never runs over prompt tokens. An optional extra "anchor" sequence (a
+dummy image or one text token) can be appended: its logit enters the loss times zero, so every
+rank runs the same FSDP collectives even with no images / no samples (see vlrl.workers.vision).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vlrl.models.attention import make_varlen_info
+
+LOGIT_CHUNK = 2048  # rows of logits upcast to fp32 at a time: bounds the [M, V] fp32 temporaries
+
+
+@dataclass
+class Anchor:
+    """An extra sequence appended to a micro-batch; its outputs are multiplied by 0."""
+
+    token_ids: Tensor  # [k] long
+    position_ids: Tensor  # [k] or [3, k]
+    pixel_values: Tensor | None = None  # [patches, D] for a dummy image, else None
+    image_grid_thw: Tensor | None = None  # [1, 3]
+
+
+@dataclass
+class ForwardInputs:
+    """Everything one forward needs, plus where its scored logits go in the [N, R] output."""
+
+    model_kwargs: dict[str, Any]  # input_ids, position_ids, logits_to_keep, ... (model-ready)
+    rows: Tensor  # [M] sample row of each scored response token
+    cols: Tensor  # [M] response column of each scored token
+    targets: Tensor  # [M] the response token ids being scored
+    num_rows: int  # N
+    response_length: int  # R
+    has_anchor: bool  # the last kept logit belongs to the anchor sequence
+    padded: bool  # logits come back [N(+1), R+1, V] instead of [1, M(+1), V]
+
+
+def scored_positions(attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:
+    """(rows, cols) [M] of response tokens that are real and follow a real token (so have a logit)."""
+    valid = attention_mask.bool()
+    scored = valid[:, prompt_length:] & valid[:, prompt_length - 1 : -1]  # [N, R]
+    rows, cols = scored.nonzero(as_tuple=True)
+    return rows, cols
+
+
+def _vision_kwargs(
+    pixel_values: Tensor | None, grid: Tensor | None, anchor: Anchor | None
+) -> dict[str, Tensor]:
+    """pixel_values / image_grid_thw of the micro-batch, with the anchor's dummy image last."""
+    pv, gr = [], []
+    if pixel_values is not None:
+        pv.append(pixel_values)
+        gr.append(grid)
+    if anchor is not None and anchor.pixel_values is not None:
+        pv.append(anchor.pixel_values)
+        gr.append(anchor.image_grid_thw)
+    if not pv:
+        return {}
+    return {"pixel_values": torch.cat(pv, 0), "image_grid_thw": torch.cat(gr, 0)}
+
+
+def build_packed_inputs(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    prompt_length: int,
+    *,
+    pixel_values: Tensor | None = None,
+    image_grid_thw: Tensor | None = None,
+    anchor: Anchor | None = None,
+    attention_backend: str = "auto",
+) -> ForwardInputs:
+    """Pack rows [N, L] into one row [1, T]; position_ids [N, L] or [N, 3, L] -> [1, T] or [3, 1, T]."""
+    n, length = input_ids.shape
+    valid = attention_mask.bool()  # [N, L]
+    ids = input_ids[valid]  # [T], row-major: sample after sample
+    if position_ids.dim() == 3:
+        pos = position_ids.transpose(0, 1)[:, valid]  # [3, T]
+    else:
+        pos = position_ids[valid]  # [T]
+    lengths = [x for x in valid.sum(-1).tolist() if x > 0]
+    rows, cols = scored_positions(attention_mask, prompt_length)
+    # Index of each real token in the packed row; the logit at (row, P + col - 1) scores (row, P + col).
+    packed_index = (valid.flatten().cumsum(0) - 1).view(n, length)
+    keep = packed_index[rows, prompt_length + cols - 1]  # [M]
+    if anchor is not None:
+        start = ids.numel()
+        ids = torch.cat([ids, anchor.token_ids.to(ids)])
+        pos = torch.cat([pos, anchor.position_ids.to(pos)], dim=-1)
+        lengths.append(anchor.token_ids.numel())
+        keep = torch.cat([keep, torch.tensor([start + anchor.token_ids.numel() - 1], device=keep.device)])
+    kwargs: dict[str, Any] = {
+        "input_ids": ids.unsqueeze(0),
+        "position_ids": pos.unsqueeze(-2),  # [1, T] or [3, 1, T]
+        "logits_to_keep": keep,
+        "vlrl_varlen": make_varlen_info(lengths, ids.device, attention_backend),
+        **_vision_kwargs(pixel_values, image_grid_thw, anchor),
+    }
+    targets = input_ids[rows, prompt_length + cols]
+    return ForwardInputs(
+        kwargs, rows, cols, targets, n, length - prompt_length, anchor is not None, padded=False
+    )
+
+
+def build_padded_inputs(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    prompt_length: int,
+    *,
+    pixel_values: Tensor | None = None,
+    image_grid_thw: Tensor | None = None,
+    anchor: Anchor | None = None,
+) -> ForwardInputs:
+    """Rows as they are; the anchor becomes one more row, its tokens at the end (left-padded)."""
+    n, length = input_ids.shape
+    response_length = length - prompt_length
+    if anchor is not None:
+        k = anchor.token_ids.numel()
+        row = torch.zeros(1, length, dtype=input_ids.dtype, device=input_ids.device)
+        row[0, length - k :] = anchor.token_ids
+        mask_row = torch.zeros(1, length, dtype=attention_mask.dtype, device=attention_mask.device)
+        mask_row[0, length - k :] = 1
+        pos_row = torch.zeros(
+            (1, *position_ids.shape[1:]), dtype=position_ids.dtype, device=position_ids.device
+        )
+        pos_row[..., length - k :] = anchor.position_ids.to(pos_row)
+        input_ids = torch.cat([input_ids, row])
+        attention_mask = torch.cat([attention_mask, mask_row])
+        position_ids = torch.cat([position_ids, pos_row])
+    pos = position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids  # [3, N, L] for mrope
+    rows, cols = scored_positions(attention_mask[:n], prompt_length)
+    kwargs: dict[str, Any] = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": pos,
+        "logits_to_keep": response_length + 1,  # positions P-1 .. L-1; the last one is dropped
+        **_vision_kwargs(pixel_values, image_grid_thw, anchor),
+    }
+    targets = input_ids[rows, prompt_length + cols]
+    return ForwardInputs(kwargs, rows, cols, targets, n, response_length, anchor is not None, padded=True)
+
+
+def token_log_probs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature)[target] per row: logits [M, V], targets [M] -> [M] fp32.
+
+    Uses target logit - logsumexp, in chunks of rows, so no fp32 [M, V] log-softmax is ever
+    materialized (only one chunk's upcast copy when the logits are bf16).
+    """
+    out = []
+    for chunk, tgt in zip(logits.split(LOGIT_CHUNK), targets.split(LOGIT_CHUNK)):
+        chunk = chunk.float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        out.append(chunk.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
+
+
+def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of softmax(logits / temperature) per row: [M, V] -> [M] fp32, chunked like above."""
+    out = []
+    for chunk in logits.split(LOGIT_CHUNK):
+        chunk = chunk.float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        lse = torch.logsumexp(chunk, dim=-1)  # H = lse - sum_v p_v * logit_v
+        out.append(lse - (torch.softmax(chunk, dim=-1) * chunk).sum(-1))
+    return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
+
+
+@dataclass
+class LogProbOutput:
+    log_probs: Tensor  # [N, R] fp32, 0 where no response token is scored
+    entropy: Tensor | None  # [N, R] fp32 or None
+    anchor: Tensor  # [] zero-valued scalar tied to every output (add it to the loss)
+
+
+def forward_log_probs(
+    model: torch.nn.Module,
+    inputs: ForwardInputs,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> LogProbOutput:
+    """Run `model` on `inputs` and return the response log-probs (and entropy) as [N, R].
+
+    The entropy is computed without autograd unless `entropy_grad` (an entropy bonus in the loss).
+    """
+    logits = model(**inputs.model_kwargs, use_cache=False).logits
+    if inputs.padded:  # [N(+1), R+1, V]: column j scores response column j
+        scored = logits[inputs.rows, inputs.cols]  # [M, V]
+        extra = logits[inputs.num_rows :, -1] if inputs.has_anchor else logits[:0, 0]
+    else:  # [1, M(+1), V]
+        m = inputs.rows.numel()
+        scored, extra = logits[0, :m], logits[0, m:]
+    # Zero times a real output keeps the anchor (and an empty micro-batch) in the autograd graph.
+    anchor = 0.0 * (extra.float().sum() + scored.float().sum())
+    shape = (inputs.num_rows, inputs.response_length)
+    log_probs = torch.zeros(shape, dtype=torch.float32, device=logits.device)
+    log_probs = log_probs.index_put(
+        (inputs.rows, inputs.cols), token_log_probs(scored, inputs.targets, temperature)
+    )
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = torch.zeros(shape, dtype=torch.float32, device=logits.device)
+            entropy = entropy.index_put((inputs.rows, inputs.cols), token_entropy(scored, temperature))
+    return LogProbOutput(log_probs, entropy, anchor)

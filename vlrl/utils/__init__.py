@@ -1,0 +1,1 @@
+"""Small utilities shared by the workers and the trainer (FLOPs / MFU accounting)."""

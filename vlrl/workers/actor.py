@@ -1,0 +1,327 @@
+"""The actor: the trained policy, sharded with FSDP2 (log-probs, PPO-style update, checkpoints).
+
+Update of one step's rows on this rank (`update_policy`):
+
+    for each of ppo_epochs:
+      for each mini-batch (samples_per_minibatch_per_rank rows)        -> one optimizer step
+        num_tokens, num_seqs = valid tokens / sequences of the mini-batch, summed over ranks
+        for each micro-batch (a sample count, or a token budget with dynamic batching)
+          loss = policy loss [+ kl_coef * KL loss] [- entropy_coeff * entropy], normalized by the
+                 mini-batch totals, so the micro-batch losses of all ranks SUM to the mini-batch loss
+          backward(loss * world_size)    # FSDP averages grads over ranks; x W turns it into the sum
+        clip the global grad norm, skip the step if it is not finite, step the LR schedule
+
+So the gradient does not depend on how rows are split into ranks and micro-batches
+(tests/actor/test_multirank.py checks it against a plain single-process full-batch gradient).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vlrl.algorithms import aggregate_loss, compute_kl_loss, compute_policy_loss, count_tokens_and_seqs
+from vlrl.config import PPOConfig
+from vlrl.models.loading import model_class
+from vlrl.protocol import RolloutBatch
+from vlrl.utils.flops import peak_flops, training_flops
+from vlrl.workers.fsdp import full_state_dict, move_optimizer_state, move_params
+from vlrl.workers.optim import build_lr_scheduler, build_optimizer, clip_and_step
+from vlrl.workers.reference import ShardedModel
+from vlrl.workers.vision import VisionCache
+
+logger = logging.getLogger(__name__)
+TOKEN_METRICS = ("pg_clipfrac_higher", "pg_clipfrac_lower", "ppo_kl", "entropy")
+LOSS_METRICS = ("pg_loss", "kl_loss")
+
+
+def default_total_steps(config: PPOConfig) -> int | None:
+    """Optimizer steps of the whole run when `trainer.max_steps` is set, else None (unknown)."""
+    if not config.trainer.max_steps:
+        return None
+    minis = max(config.data.rollout_batch_size // max(config.worker.actor.global_batch_size, 1), 1)
+    return config.trainer.max_steps * minis * config.worker.actor.ppo_epochs
+
+
+class _UpdateStats:
+    """Sums that become the update's metrics (reduced over ranks once, at the end)."""
+
+    def __init__(self) -> None:
+        self.token_sums = dict.fromkeys(TOKEN_METRICS, 0.0)  # token-mean x local tokens
+        self.tokens = 0.0
+        self.losses = dict.fromkeys(LOSS_METRICS, 0.0)  # this rank's share of each mini-batch loss
+        self.grad_norms: list[float] = []
+        self.lrs: list[float] = []
+        self.steps = 0
+        self.skipped = 0
+
+    def add_micro(self, metrics: dict[str, float], entropy: float, tokens: int, pg: float, kl: float) -> None:
+        for name in TOKEN_METRICS:
+            self.token_sums[name] += (entropy if name == "entropy" else metrics[name]) * tokens
+        self.tokens += tokens
+        self.losses["pg_loss"] += pg
+        self.losses["kl_loss"] += kl
+
+    def finish(self, reduce) -> dict[str, float]:
+        sums = reduce([*self.token_sums.values(), self.tokens, *self.losses.values()])
+        tokens = max(sums[len(TOKEN_METRICS)], 1.0)
+        out = {f"actor/{k}": v / tokens for k, v in zip(TOKEN_METRICS, sums)}
+        for k, v in zip(LOSS_METRICS, sums[len(TOKEN_METRICS) + 1 :]):
+            out[f"actor/{k}"] = v / max(self.steps, 1)
+        finite = [g for g in self.grad_norms if np.isfinite(g)]
+        out["actor/grad_norm"] = float(np.mean(finite)) if finite else float("nan")
+        out["actor/lr"] = float(np.mean(self.lrs)) if self.lrs else 0.0
+        out["actor/skipped_steps"] = float(self.skipped)
+        return out
+
+
+class Actor(ShardedModel):
+    """The policy being trained. `module` is the FSDP2-wrapped HF model (its state_dict holds DTensors).
+
+    Public API: `compute_log_probs`, `update_policy`, `save_checkpoint` / `load_checkpoint`,
+    `save_hf`, `offload_to_cpu` / `load_to_device`, `set_total_steps`.
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        model_path: str,
+        processor: Any,
+        device: torch.device | str,
+        *,
+        vision_cache: VisionCache | None = None,
+        total_steps: int | None = None,
+    ) -> None:
+        cfg = config.worker.actor
+        super().__init__(
+            config,
+            model_path,
+            processor,
+            device,
+            model_cfg=cfg.model,
+            fsdp_cfg=cfg.fsdp,
+            padding_free=cfg.padding_free,
+            micro_batch_size=cfg.micro_batch_size_per_device_for_experience,
+            trainable=True,
+            vision_cache=vision_cache,
+        )
+        self.cfg = cfg
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg.optim)
+        self.set_total_steps(total_steps if total_steps is not None else default_total_steps(config))
+        self.global_step = 0  # optimizer steps attempted (skipped ones included)
+        self.skipped_steps = 0  # over the whole run
+        on_gpu = self.device.type == "cuda"
+        self.offload_params = cfg.offload.offload_params and on_gpu  # no-op on CPU: nothing to free
+        self.offload_optimizer = cfg.offload.offload_optimizer and on_gpu
+        if not on_gpu and (cfg.offload.offload_params or cfg.offload.offload_optimizer):
+            logger.info("worker.actor.offload is ignored on CPU: the weights already live in host memory")
+
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """Optimizer steps of the whole run (for warm-up ratio and cosine); rebuilds the schedule."""
+        self.total_steps = total_steps
+        self.scheduler = build_lr_scheduler(self.optimizer, self.cfg.optim, total_steps or 0)
+
+    def _check_schedule(self) -> None:
+        optim = self.cfg.optim
+        needs_total = optim.lr_scheduler_type == "cosine" or (
+            optim.lr_warmup_steps is None and optim.lr_warmup_ratio > 0
+        )
+        if needs_total and not self.total_steps:
+            raise ValueError(
+                "the LR schedule (cosine or lr_warmup_ratio) needs the number of optimizer steps: set "
+                "trainer.max_steps, pass total_steps= to Actor, or call actor.set_total_steps(n)"
+            )
+
+    # ----------------------------------------------------------------------------- update
+    def update_policy(self, batch: RolloutBatch) -> dict[str, float]:
+        """`ppo_epochs` passes of mini-batch updates over this rank's rows; returns mean metrics."""
+        for name in ("old_log_probs", "advantages"):
+            if getattr(batch, name) is None:
+                raise ValueError(f"update_policy needs batch.{name}")
+        if self.config.algorithm.use_kl_loss and batch.ref_log_probs is None:
+            raise ValueError("algorithm.use_kl_loss=true needs batch.ref_log_probs")
+        self._check_schedule()
+        if self.offload_optimizer:
+            move_optimizer_state(self.optimizer, self.device)
+        self.module.train()
+        stats = _UpdateStats()
+        image_anchor = self.any_rank_has_images(batch)
+        size = max(self.config.samples_per_minibatch_per_rank, 1)
+        minis = [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
+        count = int(self._all_reduce([len(minis)], dist.ReduceOp.MAX)[0])
+        minis += [[] for _ in range(count - len(minis))]
+        start = time.perf_counter()
+        for _ in range(self.cfg.ppo_epochs):
+            for rows in minis:
+                self.forward_backward(batch.select(rows), stats, image_anchor)
+                self.optimizer_step(stats)
+        seconds = time.perf_counter() - start
+        if self.offload_optimizer:
+            move_optimizer_state(self.optimizer, "cpu")
+        if self.vision is not None:
+            self.vision.clear()  # the update is the step's last pass over these images
+        return {**stats.finish(self._all_reduce), **self._perf_metrics(batch, seconds)}
+
+    def _perf_metrics(self, batch: RolloutBatch, seconds: float) -> dict[str, float]:
+        """Real tokens/s and MFU of this update (decoder model FLOPs; see vlrl.utils.flops), rank mean."""
+        lengths = batch.attention_mask.sum(-1).tolist()
+        epochs = self.cfg.ppo_epochs
+        flops = epochs * training_flops(self.hf_config, lengths)
+        peak = peak_flops(self.device) or float("nan")
+        tokens_per_s, mfu = self._all_reduce([epochs * sum(lengths) / seconds, flops / seconds / peak])
+        return {"perf/actor_tokens_per_s": tokens_per_s, "perf/actor_mfu": mfu / self.world_size}
+
+    def forward_backward(self, mini: RolloutBatch, stats: _UpdateStats, image_anchor: bool) -> None:
+        """Accumulate the gradient of one mini-batch's loss (summed over ranks) into `.grad`."""
+        cfg, algo, dev = self.cfg, self.config.algorithm, self.device
+        num_tokens, num_seqs = self._all_reduce(list(count_tokens_and_seqs(mini.response_mask)))
+        agg = {"loss_avg_mode": cfg.loss_avg_mode, "num_tokens": num_tokens, "num_seqs": num_seqs}
+        temperature = self.config.worker.rollout.temperature
+        for rows in self.plan_micro_batches(mini, cfg.micro_batch_size_per_device_for_update):
+            mb = mini.select(rows)
+            out = self.forward_micro_batch(
+                mb, temperature, image_anchor, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0
+            )
+            mask = mb.response_mask.to(dev)
+            pg, metrics = compute_policy_loss(
+                cfg.policy_loss,
+                mb.old_log_probs.to(dev),
+                out.log_probs,
+                mb.advantages.to(dev),
+                mask,
+                clip_ratio_low=cfg.clip_ratio_low,
+                clip_ratio_high=cfg.clip_ratio_high,
+                clip_ratio_dual=cfg.clip_ratio_dual,
+                **agg,
+            )
+            loss, kl = pg, torch.zeros((), device=dev)
+            if algo.use_kl_loss:
+                kl = compute_kl_loss(out.log_probs, mb.ref_log_probs.to(dev), mask, algo.kl_penalty, **agg)
+                loss = loss + algo.kl_coef * kl
+            if cfg.entropy_coeff != 0:
+                loss = loss - cfg.entropy_coeff * aggregate_loss(
+                    out.entropy, mask, cfg.loss_avg_mode, num_tokens, num_seqs
+                )
+            # x world size: FSDP averages the ranks' gradients, we want their sum.
+            ((loss + out.anchor) * self.world_size).backward()
+            tokens = int(mask.sum())
+            entropy = float((out.entropy.detach() * mask).sum() / max(tokens, 1))
+            stats.add_micro(metrics, entropy, tokens, float(pg.detach()), float(kl.detach()))
+
+    def optimizer_step(self, stats: _UpdateStats) -> None:
+        """Clip, step (or skip a non-finite step) and advance the LR schedule."""
+        stats.lrs.append(self.optimizer.param_groups[0]["lr"])
+        norm, skipped = clip_and_step(self.optimizer, self.params, self.cfg.max_grad_norm)
+        self.scheduler.step()
+        self.global_step += 1
+        stats.steps += 1
+        stats.grad_norms.append(norm)
+        stats.skipped += int(skipped)
+        self.skipped_steps += int(skipped)
+
+    # -------------------------------------------------------------------------- placement
+    def offload_to_cpu(self) -> None:
+        """Free device memory for the rollout engine (per `worker.actor.offload`; no-op on CPU)."""
+        if self.offload_params:
+            move_params(self.module, "cpu")
+        if self.offload_optimizer:
+            move_optimizer_state(self.optimizer, "cpu")
+
+    def load_to_device(self) -> None:
+        """Bring the parameters back before log-probs / update (no-op on CPU)."""
+        if self.offload_params:
+            move_params(self.module, self.device)
+
+    # -------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded model + optimizer (torch.distributed.checkpoint) and per-rank schedule/RNG state."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        os.makedirs(path, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+        extra = {
+            "scheduler": self.scheduler.state_dict(),
+            "global_step": self.global_step,
+            "skipped_steps": self.skipped_steps,
+            "rng": _rng_state(),
+        }
+        torch.save(extra, os.path.join(path, f"extra_state_rank{self.rank}.pt"))
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what `save_checkpoint` wrote (same world size for the per-rank RNG state)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        set_state_dict(
+            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        extra = torch.load(os.path.join(path, f"extra_state_rank{self.rank}.pt"), weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.global_step, self.skipped_steps = extra["global_step"], extra["skipped_steps"]
+        _set_rng_state(extra["rng"])
+        dist.barrier()
+
+    def save_hf(self, path: str) -> None:
+        """Rank 0 writes a Hugging Face folder (full weights, config, processor/tokenizer). Collective."""
+        state = full_state_dict(self.module)
+        if self.rank == 0:
+            config = copy.deepcopy(self.hf_config)
+            config.use_cache = True
+            text = getattr(config, "text_config", None) or config
+            text._attn_implementation = "sdpa"  # our packed attention is not registered elsewhere
+            with torch.device("meta"):
+                model = model_class(config).from_config(config)
+            model.load_state_dict(state, assign=True, strict=True)
+            model.save_pretrained(path)
+            self._tokenizer_or_processor().save_pretrained(path)
+        dist.barrier()
+
+    def _tokenizer_or_processor(self) -> Any:
+        """The processor given at construction, else the tokenizer of the model folder."""
+        if self.processor is not None:
+            return self.processor
+        from vlrl.models.processor import load_processor
+
+        model = self.cfg.model
+        return load_processor(model.tokenizer_path or self.model_path)[0]
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def gathered_grads(module: torch.nn.Module) -> dict[str, Tensor]:
+    """Full (unsharded) gradients by parameter name, for tests and debugging. Collective."""
+    out = {}
+    for name, p in module.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu().clone()
+    return out

@@ -1,0 +1,138 @@
+"""FSDP2 sharding of a Hugging Face model over a 1-D device mesh, and moving it between devices.
+
+Units: every module whose class is listed in the model's `_no_split_modules` (decoder layers and
+vision blocks), then the vision tower as a whole (patch embed + merger), then the root (embeddings,
+final norm, lm head). Each unit all-gathers its parameters just before its forward/backward and
+frees them after, so peak memory is about one layer's full weights plus the shards.
+
+Precision (`worker.actor.fsdp`):
+- GPU default: fp32 master weights, bf16 compute (`MixedPrecisionPolicy(param_dtype=bf16)`),
+  fp32 gradient reduction (`mp_reduce_dtype`).
+- GPU pure bf16 (`torch_dtype=bfloat16`): weights stored in bf16, reduction still in `mp_reduce_dtype`.
+- CPU: no mixed precision; fp32 unless `torch_dtype` says otherwise. gloo process group.
+
+Gradients are AVERAGED over ranks by FSDP's reduce-scatter; the actor multiplies its loss by the
+world size so the result is the gradient of the loss summed over ranks (see docs/actor.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from vlrl.config import FSDPConfig
+from vlrl.models.loading import parse_dtype, vision_tower
+
+
+def world_info() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without an initialized process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def build_mesh(device: torch.device) -> DeviceMesh:
+    """A 1-D mesh over all ranks of the default process group (gloo on CPU, NCCL on GPU)."""
+    _, world = world_info()
+    return init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+
+
+def master_dtype(fsdp: FSDPConfig) -> torch.dtype:
+    """Dtype the (sharded) weights are stored in: `torch_dtype`, default float32."""
+    return parse_dtype(fsdp.torch_dtype, torch.float32)
+
+
+def mixed_precision(fsdp: FSDPConfig, device: torch.device) -> MixedPrecisionPolicy | None:
+    """bf16 (`mp_param_dtype`) compute with `mp_reduce_dtype` gradient reduction on GPU; None on CPU."""
+    if device.type == "cpu":
+        return None
+    return MixedPrecisionPolicy(
+        param_dtype=parse_dtype(fsdp.mp_param_dtype), reduce_dtype=parse_dtype(fsdp.mp_reduce_dtype)
+    )
+
+
+def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Inner FSDP units in forward order of depth: layers/blocks first, then the vision tower."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    units = [m for m in model.modules() if type(m).__name__ in names]
+    if not units:
+        raise ValueError(f"{type(model).__name__} lists no _no_split_modules; cannot pick FSDP units")
+    tower = vision_tower(model)
+    if tower is not None:
+        units.append(tower)
+    return units
+
+
+def apply_fsdp(
+    model: torch.nn.Module, device: torch.device, fsdp: FSDPConfig, mesh: DeviceMesh | None = None
+) -> torch.nn.Module:
+    """Shard `model` in place with FSDP2 (`fully_shard`) and return it (now an `FSDPModule`).
+
+    Parameters move to `device` (kept on CPU between uses with `fsdp.enable_cpu_offload` on GPU).
+    """
+    mesh = mesh or build_mesh(device)
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": fsdp.enable_full_shard}
+    mp = mixed_precision(fsdp, device)
+    if mp is not None:
+        kwargs["mp_policy"] = mp
+    if fsdp.enable_cpu_offload and device.type == "cuda":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for unit in shard_units(model):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def broadcast_weights_from_rank0(model: torch.nn.Module, full_state: dict[str, torch.Tensor] | None) -> None:
+    """Fill a sharded model built on meta (ranks > 0) from rank 0's full state dict.
+
+    Every rank calls this; only rank 0 passes `full_state`. Parameters are materialized with
+    `to_empty` and then scattered; buffers (not sharded, e.g. rotary inv_freq) are broadcast.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank, _ = world_info()
+    device = next(p for p in model.parameters()).device
+    if device.type == "meta":
+        raise ValueError("call model.to_empty(device=...) before broadcasting")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state if rank == 0 else {}, options=options)
+    for buffer in model.buffers():
+        dist.broadcast(buffer.data, src=0)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Gathered full weights on CPU, on rank 0 (other ranks get {}). Collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def move_params(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Move the (sharded) parameters and buffers, e.g. to CPU while the rollout engine runs.
+
+    Only meaningful on GPU; on CPU it is a no-op (nothing to free).
+    """
+    device = torch.device(device)
+    current = next(model.parameters()).device
+    if current.type == "cpu" and device.type == "cpu":
+        return
+    model.to(device)
+    if device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move every optimizer state tensor (AdamW moments) to `device` (no-op when already there)."""
+    device = torch.device(device)
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != device and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+    if device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

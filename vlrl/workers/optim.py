@@ -1,0 +1,130 @@
+"""Optimizer, learning-rate schedule and a guarded optimizer step (clip, skip non-finite).
+
+- `adamw`: torch AdamW (moments in the parameters' dtype).
+- `adamw_bf16`: `AdamWBf16`, AdamW whose two moments are stored in bf16 (half the state memory);
+  the update itself is computed in fp32.
+- Schedule: linear warm-up over `lr_warmup_steps` (or `lr_warmup_ratio * total_steps`) from 0 to
+  `lr`, then constant, or cosine down to `min_lr_ratio * lr` at `total_steps`.
+- `clip_and_step`: the global grad norm (across ranks: FSDP2 grads are DTensors whose norms are
+  reduced by `full_tensor()`), clipping to `max_grad_norm`, and a skipped step (grads zeroed, no
+  update) when that norm is not finite. Every rank sees the same global norm, so all skip together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from vlrl.config import OptimConfig
+
+STRATEGIES = ("adamw", "adamw_bf16")
+SCHEDULES = ("constant", "cosine")
+
+
+class AdamWBf16(torch.optim.Optimizer):
+    """AdamW with bf16 first/second moments; fp32 arithmetic for the update (decoupled decay)."""
+
+    def __init__(
+        self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
+    ):
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, decay = float(group["lr"]), group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                state["step"] += 1
+                t = float(state["step"])
+                grad = p.grad.float()
+                m = state["exp_avg"].float().mul_(beta1).add_(grad, alpha=1 - beta1)
+                v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                state["exp_avg"].copy_(m)
+                state["exp_avg_sq"].copy_(v)
+                denom = (v / (1 - beta2**t)).sqrt_().add_(eps)
+                update = (m / (1 - beta1**t)).div_(denom)
+                if decay:
+                    update.add_(p.float(), alpha=decay)
+                p.add_(update.to(p.dtype), alpha=-lr)
+        return loss
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW (`optim.strategy=adamw`) or AdamWBf16 (`adamw_bf16`) over `params`."""
+    params = list(params)
+    kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "weight_decay": cfg.weight_decay}
+    if cfg.strategy == "adamw":
+        return torch.optim.AdamW(params, **kwargs)
+    if cfg.strategy == "adamw_bf16":
+        return AdamWBf16(params, **kwargs)
+    raise ValueError(f"unknown optim.strategy {cfg.strategy!r}; valid: {list(STRATEGIES)}")
+
+
+def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    """`lr_warmup_steps` when set, else `lr_warmup_ratio * total_steps` (rounded down)."""
+    if cfg.lr_warmup_steps is not None and cfg.lr_warmup_steps >= 0:
+        return int(cfg.lr_warmup_steps)
+    return int(cfg.lr_warmup_ratio * total_steps)
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Multiplier of `lr` at optimizer step `step` (0-based)."""
+    warm = warmup_steps(cfg, total_steps)
+    if step < warm:
+        return (step + 1) / warm
+    if cfg.lr_scheduler_type == "constant":
+        return 1.0
+    if cfg.lr_scheduler_type == "cosine":
+        span = max(total_steps - warm, 1)
+        progress = min((step - warm) / span, 1.0)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr_scheduler_type {cfg.lr_scheduler_type!r}; valid: {list(SCHEDULES)}")
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
+    """A LambdaLR stepping once per optimizer step; `total_steps` counts optimizer steps."""
+    return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
+
+
+def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
+    """L2 norm of all gradients over all ranks (DTensor grads are reduced by `full_tensor`)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    return float(total)
+
+
+def clip_and_step(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float
+) -> tuple[float, bool]:
+    """Clip to `max_grad_norm` (<= 0: no clipping) and step; returns (grad norm before clipping, skipped).
+
+    A non-finite norm skips the update: gradients are zeroed and the parameters stay unchanged.
+    """
+    norm = global_grad_norm(params)
+    skipped = not math.isfinite(norm)
+    if not skipped:
+        if max_grad_norm > 0 and norm > max_grad_norm:
+            coef = max_grad_norm / (norm + 1e-6)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, skipped

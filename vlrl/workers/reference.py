@@ -1,0 +1,230 @@
+"""A model sharded with FSDP2 that scores responses (`ShardedModel`), and the frozen `Reference`.
+
+`ShardedModel` is the part the actor and the reference policy share: loading, sharding, vision
+inputs, micro-batch planning and `compute_log_probs`. Every rank must run the same number of
+forward passes (each one all-gathers the layers' shards), so the number of micro-batches is agreed
+with an all-reduce(max) and a rank with fewer samples runs empty micro-batches (an anchor sequence
+only; see vlrl.workers.vision for the matching trick that keeps the vision tower in step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vlrl.config import FSDPConfig, ModelConfig, PPOConfig
+from vlrl.models.loading import is_vision_model, load_model
+from vlrl.models.packing import LogProbOutput, build_packed_inputs, build_padded_inputs, forward_log_probs
+from vlrl.protocol import RolloutBatch
+from vlrl.workers.balance import count_micro_batches, micro_batches_by_tokens
+from vlrl.workers.fsdp import apply_fsdp, broadcast_weights_from_rank0, master_dtype, move_params, world_info
+from vlrl.workers.vision import VisionCache, dummy_image_anchor, text_anchor
+
+
+class ShardedModel:
+    """Load `model_path`, shard it over all ranks and compute response log-probs in micro-batches."""
+
+    attention_backend = "auto"  # packed attention kernel (vlrl.models.attention.BACKENDS)
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        model_path: str,
+        processor: Any,
+        device: torch.device | str,
+        *,
+        model_cfg: ModelConfig,
+        fsdp_cfg: FSDPConfig,
+        padding_free: bool,
+        micro_batch_size: int,
+        trainable: bool,
+        vision_cache: VisionCache | None = None,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "initialize torch.distributed (gloo on CPU, nccl on GPU) before building the model"
+            )
+        self.config = config
+        self.model_path = model_path
+        self.rank, self.world_size = world_info()
+        self.device = torch.device(device)
+        self.padding_free = padding_free
+        self.micro_batch_size = micro_batch_size
+        self.dynamic_batching = config.worker.actor.dynamic_batching
+        self.max_token_len = config.worker.actor.max_token_len_per_device or 0
+        self.module = self._build(model_path, model_cfg, fsdp_cfg, trainable)
+        self.hf_config = self.module.config
+        self.is_vlm = is_vision_model(self.hf_config)
+        self.mrope = self.is_vlm
+        self.processor = processor
+        self.vision = None
+        if self.is_vlm:
+            if vision_cache is None and processor is None:
+                raise ValueError("a vision-language model needs its processor (for the image processor)")
+            # (not `or`: an empty cache is falsy, it has __len__)
+            self.vision = vision_cache if vision_cache is not None else VisionCache(processor.image_processor)
+        self.owns_vision_cache = vision_cache is None
+        self.image_anchor = (
+            dummy_image_anchor(self.hf_config, self.mrope, self.device) if self.is_vlm else None
+        )
+        pad_id = getattr(self.hf_config, "pad_token_id", None)
+        if pad_id is None:
+            pad_id = getattr(getattr(self.hf_config, "text_config", None), "pad_token_id", None) or 0
+        self.text_anchor = text_anchor(pad_id, self.mrope, self.device)
+
+    # ------------------------------------------------------------------------------ building
+    def _build(
+        self, path: str, model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, trainable: bool
+    ) -> torch.nn.Module:
+        """Rank 0 reads the weights; other ranks build on meta and receive them after sharding."""
+        on_meta = self.world_size > 1 and self.rank != 0
+        model = load_model(
+            path,
+            dtype=master_dtype(fsdp_cfg),
+            overrides=dict(model_cfg.override_config),
+            padding_free=self.padding_free,
+            gradient_checkpointing=trainable and model_cfg.enable_gradient_checkpointing,
+            freeze_vision=trainable and model_cfg.freeze_vision_tower,
+            trust_remote_code=model_cfg.trust_remote_code,
+            on_meta=on_meta,
+        )
+        if not trainable:
+            model.requires_grad_(False)
+        full = model.state_dict() if self.world_size > 1 and self.rank == 0 else None
+        apply_fsdp(model, self.device, fsdp_cfg)
+        if self.world_size > 1:
+            if on_meta:
+                model.to_empty(device=self.device)
+            broadcast_weights_from_rank0(model, full)
+        return model
+
+    # ------------------------------------------------------------------------ collectives
+    def _all_reduce(
+        self, values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> list[float]:
+        """Element-wise all-reduce of a few numbers (float64 on this rank's device)."""
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def any_rank_has_images(self, batch: RolloutBatch) -> bool:
+        """True when some rank holds an image: then every micro-batch must run the vision tower."""
+        if not self.is_vlm:
+            return False
+        local = float(any(len(imgs) > 0 for imgs in batch.images))
+        return self._all_reduce([local], dist.ReduceOp.MAX)[0] > 0
+
+    def plan_micro_batches(self, batch: RolloutBatch, micro_batch_size: int) -> list[list[int]]:
+        """Row indices of each micro-batch; the same count on every rank (extra ones are empty)."""
+        n = len(batch)
+        if self.dynamic_batching:
+            # Padded rows cost their full width; packed rows only their real tokens.
+            lengths = (
+                batch.attention_mask.sum(-1).tolist() if self.padding_free else [batch.input_ids.shape[1]] * n
+            )
+            count = count_micro_batches(lengths, self.max_token_len)
+            count = int(self._all_reduce([count], dist.ReduceOp.MAX)[0])
+            return micro_batches_by_tokens(lengths, count)
+        parts = [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+        count = int(self._all_reduce([len(parts)], dist.ReduceOp.MAX)[0])
+        return parts + [[] for _ in range(count - len(parts))]
+
+    # ---------------------------------------------------------------------------- forward
+    def forward_micro_batch(
+        self,
+        mb: RolloutBatch,
+        temperature: float,
+        image_anchor: bool,
+        with_entropy: bool = False,
+        entropy_grad: bool = False,
+    ) -> LogProbOutput:
+        """Log-probs [n, R] of one micro-batch (n may be 0: then only the anchor runs)."""
+        dev = self.device
+        pv = grid = None
+        if self.vision is not None:
+            pv, grid = self.vision.collate(mb.images)
+            pv, grid = (pv.to(dev), grid.to(dev)) if pv is not None else (None, None)
+        anchor = None
+        if image_anchor and pv is None:
+            anchor = self.image_anchor
+        elif len(mb) == 0:
+            anchor = self.text_anchor
+        args = (mb.input_ids.to(dev), mb.attention_mask.to(dev), mb.position_ids.to(dev), mb.prompt_length)
+        kwargs = {"pixel_values": pv, "image_grid_thw": grid, "anchor": anchor}
+        if self.padding_free:
+            inputs = build_packed_inputs(*args, **kwargs, attention_backend=self.attention_backend)
+        else:
+            inputs = build_padded_inputs(*args, **kwargs)
+        return forward_log_probs(self.module, inputs, temperature, with_entropy, entropy_grad)
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
+        """Log-probs [N, R] (fp32, CPU) of `batch.responses` under this model; 0 on padding."""
+        self.module.eval()
+        image_anchor = self.any_rank_has_images(batch)
+        out = torch.zeros(batch.responses.shape, dtype=torch.float32)
+        for rows in self.plan_micro_batches(batch, self.micro_batch_size):
+            result = self.forward_micro_batch(batch.select(rows), temperature, image_anchor)
+            if rows:
+                out[rows] = result.log_probs.cpu()
+        return out
+
+
+class Reference(ShardedModel):
+    """The frozen reference policy: same loading and sharding as the actor, no optimizer.
+
+    With `worker.ref.offload_params` (GPU only) its shards live on CPU and move to the GPU only for
+    `compute_log_probs`. On GPU its weights are stored in bf16 (the actor's compute dtype); on CPU
+    in the actor's dtype, so an untouched actor and its reference agree exactly.
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        model_path: str,
+        processor: Any,
+        device: torch.device | str,
+        *,
+        vision_cache: VisionCache | None = None,
+    ) -> None:
+        ref, actor = config.worker.ref, config.worker.actor
+        fsdp_cfg = actor.fsdp
+        if torch.device(device).type == "cuda":  # no optimizer to feed: keep bf16 weights (half the memory)
+            fsdp_cfg = replace(actor.fsdp, torch_dtype="bfloat16")
+        super().__init__(
+            config,
+            model_path,
+            processor,
+            device,
+            model_cfg=actor.model,
+            fsdp_cfg=fsdp_cfg,
+            padding_free=ref.padding_free,
+            micro_batch_size=ref.micro_batch_size_per_device_for_experience,
+            trainable=False,
+            vision_cache=vision_cache,
+        )
+        self.offload = ref.offload_params and self.device.type == "cuda"
+        if self.offload:
+            move_params(self.module, "cpu")
+
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
+        """Reference log-probs [N, R]; loads the weights onto the device for the call when offloaded.
+
+        Pass the actor's `vision_cache` at construction to reuse its pixel values (else a private
+        cache is filled and cleared per call).
+        """
+        if self.offload:
+            move_params(self.module, self.device)
+        try:
+            return super().compute_log_probs(batch, temperature)
+        finally:
+            if self.offload:
+                move_params(self.module, "cpu")
+            if self.vision is not None and self.owns_vision_cache:
+                self.vision.clear()  # nobody else reads a private cache: free its pixels now

@@ -1,0 +1,110 @@
+"""Vision inputs built on the worker: per-sample pixel_values / image_grid_thw, cached per step.
+
+`RolloutBatch.images` holds each sample's images, already resized by the data pipeline to the
+Qwen rule (sides multiples of patch * merge), so the image processor runs with `do_resize=False`
+when they conform: the number of patches then matches the image tokens the prompt was expanded
+with. The n samples of a GRPO group share the same PIL objects, and the old-log-prob, reference and
+update passes of one step see the same samples, so results are cached by the identity of the
+image objects (the cache keeps the images alive, so an id cannot be reused while cached).
+
+Keeping FSDP in step across ranks: the vision blocks are FSDP units, so their all-gathers (and
+reduce-scatters in backward) are collectives every rank must join. When any rank has images in a
+call, every micro-batch without images gets an `Anchor` — a dummy 2x2-patch image (one merged
+token) packed as its own sequence — whose logit enters the loss times zero. Its gradient is
+exactly zero, but every rank runs the vision tower forward and backward in the same order.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vlrl.models.packing import Anchor
+
+SampleVision = tuple[Tensor, Tensor]  # pixel_values [patches, D], image_grid_thw [images, 3]
+
+
+class VisionCache:
+    """Turns per-sample image lists into model inputs; caches the result per image tuple (LRU).
+
+    pixel_values are large (an image of P patches holds P x 1176 fp32 values, ~4.7 KB per patch),
+    so the cache is bounded by bytes and the actor clears it at the end of each update.
+    """
+
+    def __init__(self, image_processor: Any, max_bytes: int = 4 << 30) -> None:
+        self.image_processor = image_processor
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._cache: OrderedDict[tuple[int, ...], tuple[list[Any], SampleVision]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def clear(self) -> None:
+        """Drop every entry (the end of a training step: the next step brings new images)."""
+        self._cache.clear()
+        self.bytes = 0
+
+    def _factor(self) -> int:
+        ip = self.image_processor
+        return int(getattr(ip, "patch_size", 14)) * int(getattr(ip, "merge_size", 2))
+
+    def sample(self, images: Sequence[Any]) -> SampleVision | None:
+        """pixel_values and grid of one sample's images, or None when it has none."""
+        if not images:
+            return None
+        key = tuple(id(img) for img in images)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit[1]
+        factor = self._factor()
+        conform = all(img.size[0] % factor == 0 and img.size[1] % factor == 0 for img in images)
+        out = self.image_processor(images=list(images), return_tensors="pt", do_resize=not conform)
+        value = (out["pixel_values"], out["image_grid_thw"])
+        self._cache[key] = (list(images), value)
+        self.bytes += _nbytes(value)
+        while self.bytes > self.max_bytes and len(self._cache) > 1:
+            _, (_, old) = self._cache.popitem(last=False)
+            self.bytes -= _nbytes(old)
+        return value
+
+    def collate(self, images: Sequence[Sequence[Any]]) -> tuple[Tensor | None, Tensor | None]:
+        """Concatenated (pixel_values, image_grid_thw) of samples in order; (None, None) if no image."""
+        parts = [v for v in (self.sample(imgs) for imgs in images) if v is not None]
+        if not parts:
+            return None, None
+        return torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])
+
+
+def _nbytes(value: SampleVision) -> int:
+    return sum(t.numel() * t.element_size() for t in value)
+
+
+def image_token_id(hf_config: Any) -> int | None:
+    """The <|image_pad|> id of a VLM config; None for a text-only model."""
+    return getattr(hf_config, "image_token_id", None) if hasattr(hf_config, "vision_config") else None
+
+
+def dummy_image_anchor(hf_config: Any, mrope: bool, device: torch.device | str) -> Anchor:
+    """A 1x2x2-patch black image (one merged token) as a separate packed sequence."""
+    vc = hf_config.vision_config
+    channels = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3)))
+    patch, temporal = int(vc.patch_size), int(getattr(vc, "temporal_patch_size", 2))
+    merge = int(getattr(vc, "spatial_merge_size", 2))
+    grid = torch.tensor([[1, merge, merge]], device=device)
+    pixel_values = torch.zeros(merge * merge, channels * temporal * patch * patch, device=device)
+    tokens = torch.tensor([image_token_id(hf_config)], device=device)
+    positions = torch.zeros((3, 1) if mrope else (1,), dtype=torch.long, device=device)
+    return Anchor(tokens, positions, pixel_values, grid)
+
+
+def text_anchor(pad_token_id: int, mrope: bool, device: torch.device | str) -> Anchor:
+    """One pad token as a separate sequence: lets a rank with no samples still run forward/backward."""
+    tokens = torch.tensor([pad_token_id], device=device)
+    positions = torch.zeros((3, 1) if mrope else (1,), dtype=torch.long, device=device)
+    return Anchor(tokens, positions)
