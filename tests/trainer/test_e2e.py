@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -27,7 +28,14 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("e2e")
     model = build_tiny_model(root / "model", arch="qwen2_5_vl", seed=0, min_pixels=3136, max_pixels=12544)
     train, val = make_shapes_dataset(root / "data", n_train=64, n_val=8, seed=0, task="colour")
-    return {"model": model, "train": Path(train), "val": Path(val)}
+    # A reward that always varies between samples, so every step has a learning signal (an
+    # untrained model rarely names a colour, and all-equal rewards give zero advantages).
+    reward = root / "vowels.py"
+    reward.write_text(
+        "def compute_score(inputs):\n"
+        "    return [{'overall': sum(c in 'aeiou' for c in x.response) / max(len(x.response), 1)} for x in inputs]\n"
+    )
+    return {"model": model, "train": Path(train), "val": Path(val), "reward": reward}
 
 
 def _args(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
@@ -38,7 +46,7 @@ def _args(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
         f"data.val_files={assets['val']}",
         f"trainer.save_checkpoint_path={out}",
         f"data.format_prompt={REPO / 'format_prompts' / 'shapes.jinja'}",
-        f"worker.reward.reward_function={REPO / 'reward_functions' / 'shapes.py'}:compute_score",
+        f"worker.reward.reward_function={assets['reward']}:compute_score",
         "data.rollout_batch_size=4",
         "worker.actor.global_batch_size=2",
         "worker.actor.micro_batch_size_per_device_for_update=4",
@@ -81,11 +89,29 @@ def test_two_ranks_train_checkpoint_and_resume(assets: dict[str, Path], tmp_path
     assert (out / "global_step_2" / "trainer_state.json").is_file()
     tracker = json.loads((out / "checkpoint_tracker.json").read_text())
     assert tracker["latest"] == 2
+    _check_merged_weights_changed(out / "global_step_2" / "actor", assets["model"])
 
     proc = _run(_args(assets, out, *common, "trainer.max_steps=3"))
     assert "resumed from" in proc.stdout + proc.stderr
     assert sorted(_metrics(out)) == [1, 2, 3]  # step 3 ran after the resume; 1-2 were not repeated
     assert (out / "global_step_3").is_dir()
+
+
+def _check_merged_weights_changed(actor_dir: Path, initial: Path) -> None:
+    """The checkpoint merges into a folder transformers loads, and training moved the weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from vlrl.tools.model_merger import merge
+
+    merged = Path(merge(str(actor_dir)))
+    model = AutoModelForImageTextToText.from_pretrained(merged)
+    before = load_file(initial / "model.safetensors")
+    after = load_file(merged / "model.safetensors")
+    assert before.keys() == after.keys()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert "lm_head.weight" in changed and len(changed) > len(before) // 2
+    assert model.config.architectures == ["Qwen2_5_VLForConditionalGeneration"]
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:

@@ -23,7 +23,11 @@ def _default(f) -> str:  # noqa: ANN001
 
 def _section(cls: type, prefix: str, out: list[str]) -> None:
     docs = field_docs(cls)
-    leaves = [f for f in fields(cls) if not is_dataclass(f.default_factory() if f.default_factory is not MISSING else None)]  # type: ignore[misc]
+    leaves = [
+        f
+        for f in fields(cls)
+        if not is_dataclass(f.default_factory() if f.default_factory is not MISSING else None)
+    ]  # type: ignore[misc]
     if leaves:
         out += [f"\n### `{prefix.rstrip('.')}`\n", "| key | default | meaning |", "| --- | --- | --- |"]
         for f in leaves:

@@ -259,12 +259,12 @@ class RayPPOTrainer:
 
     # ------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, val_score: float | None) -> str:
-        with_hf = self.config.trainer.save_model_only
+        model_only = self.config.trainer.save_model_only
 
         def write_actor(folder: str) -> None:
-            self.ranks.call_all("save_checkpoint", folder, with_hf)
+            self.ranks.call_all("save_checkpoint", folder, model_only)
 
-        state = {"dataloader": self.data.state_dict(), "kl_coef": self.kl_ctrl.value}
+        state = {"dataloader": self.data.state_dict(), "kl_coef": self.kl_ctrl.value, "model_only": model_only}
         return self.checkpoints.save(self.global_step, write_actor, state, val_score)
 
     def _resume(self) -> None:
@@ -275,6 +275,11 @@ class RayPPOTrainer:
         if path is None:
             return
         state = read_state(path)
+        if state.get("model_only"):
+            raise ValueError(
+                f"{path} was saved with trainer.save_model_only=true: it holds weights only and cannot be "
+                "resumed; start a new run from its actor/huggingface folder (worker.actor.model.model_path)"
+            )
         self.ranks.call_all("load_checkpoint", os.path.join(path, "actor"))
         self.data.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
