@@ -1,0 +1,52 @@
+"""Rollout: sample n responses per prompt with vLLM (SPMD, one engine per rank) or transformers.
+
+    engine = create_rollout_engine(config.worker.rollout, config.data, model_path, tokenizer, processor)
+    metrics = sync_weights(actor_module, engine, config.worker.rollout.sync_bucket_mb)
+    batch = engine.generate(prompt_batch, overrides)  # RolloutBatch
+
+See docs/rollout.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlrl.rollout.base import NoWeightsError, RolloutEngine, SamplingSettings, resolve_sampling
+from vlrl.rollout.output import assemble_rollout_batch, response_mask_from_eos
+from vlrl.rollout.weight_sync import checkpoint_name, sync_weights
+
+__all__ = [
+    "NoWeightsError",
+    "RolloutEngine",
+    "SamplingSettings",
+    "assemble_rollout_batch",
+    "checkpoint_name",
+    "create_rollout_engine",
+    "resolve_sampling",
+    "response_mask_from_eos",
+    "sync_weights",
+]
+
+
+def create_rollout_engine(
+    config: Any,
+    data_config: Any,
+    model_path: str,
+    tokenizer: Any,
+    processor: Any | None = None,
+    limit_images: int | None = None,
+) -> RolloutEngine:
+    """The engine `config.name` names (vllm | hf) for this rank.
+
+    `limit_images`: the most images a prompt of the data has (used when `config.limit_images` is 0).
+    The vLLM engine needs an initialized torch.distributed world (one rank is fine).
+    """
+    if config.name == "vllm":
+        from vlrl.rollout.vllm_engine import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(config, data_config, model_path, tokenizer, processor, limit_images)
+    if config.name == "hf":
+        from vlrl.rollout.hf_engine import HFRolloutEngine
+
+        return HFRolloutEngine(config, data_config, model_path, tokenizer, processor, limit_images)
+    raise ValueError(f"worker.rollout.name={config.name!r} is unknown; choose vllm or hf")

@@ -1,0 +1,159 @@
+"""Weight sync actor -> rollout engine: gather shards, map names, convert dtype, load in buckets.
+
+    sync_weights(actor_module, engine, bucket_mb) -> {"sync/time_s", "sync/peak_extra_mb", "sync/bytes"}
+
+1. Walk the module's `state_dict()` in its order. FSDP2 holds parameters as DTensor shards;
+   `.full_tensor()` all-gathers one (a collective: every rank walks the same order, so every rank
+   must call `sync_weights`, including TP peers and ranks with nothing to generate).
+2. Map transformers-5 runtime names to checkpoint names (`checkpoint_name`): wrapper prefixes
+   (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`, `_orig_mod.`) are dropped, and Qwen2-VL /
+   Qwen2.5-VL's `model.language_model.` / `model.visual.` become the `model.` / `visual.` of their
+   checkpoints. Engines load checkpoints, so checkpoint names are what every loader understands.
+3. Convert to the engine's dtype and group into buckets of at most `bucket_mb` (a tensor larger
+   than the bucket travels alone). The engine consumes the buckets lazily, so at most one bucket of
+   gathered/converted tensors is alive at a time: that bounds the extra memory of a sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+# transformers-5 runtime prefix -> checkpoint prefix, per model family (first match wins).
+_CHECKPOINT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen2_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
+    "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
+    "qwen3_vl": (),  # its checkpoints already use the runtime names
+    "text": (),
+}
+
+
+def checkpoint_name(name: str, family: str) -> str:
+    """The checkpoint name of a state_dict key of the actor (any wrappers removed)."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    if family not in _CHECKPOINT_PREFIXES:
+        raise ValueError(
+            f"no weight-name mapping for model family {family!r}; known: {sorted(_CHECKPOINT_PREFIXES)}"
+        )
+    for old, new in _CHECKPOINT_PREFIXES[family]:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def runtime_name(name: str) -> str:
+    """A state_dict key with wrapper prefixes removed (the names of a plain transformers model)."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+@dataclass
+class SyncStats:
+    """What one sync moved, and the memory it took on top of what was there when it started."""
+
+    bytes: int = 0
+    tensors: int = 0
+    largest_bucket: int = 0  # bytes
+    base_rss: int = -1  # CPU: resident set size when the sync started (-1: not measuring)
+    peak_rss: int = 0
+
+    def start_rss(self) -> None:
+        self.base_rss = self.peak_rss = _rss()
+
+    def sample(self) -> None:
+        """Record the current RSS (CPU syncs; cheap enough to call once per tensor)."""
+        if self.base_rss >= 0:
+            self.peak_rss = max(self.peak_rss, _rss())
+
+    @property
+    def peak_extra_rss(self) -> int:
+        return max(0, self.peak_rss - self.base_rss) if self.base_rss >= 0 else 0
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def full_named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every state_dict entry in order; DTensor shards are all-gathered."""
+    from torch.distributed.tensor import DTensor
+
+    for name, value in module.state_dict().items():
+        # full_tensor() is a collective: every rank reaches it in the same order.
+        yield name, value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def bucketize(
+    named: Iterable[tuple[str, torch.Tensor]],
+    bucket_mb: float,
+    dtype: torch.dtype | None,
+    stats: SyncStats | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) into lists of at most `bucket_mb` MiB after converting to `dtype`.
+
+    Floating tensors are converted (integer buffers keep their dtype), detached and made contiguous.
+    The input is pulled lazily, so a bucket's tensors are released once the consumer asks for the next.
+    """
+    limit = int(bucket_mb * (1 << 20))
+    if limit <= 0:
+        raise ValueError(f"bucket_mb={bucket_mb} must be > 0")
+    stats = stats if stats is not None else SyncStats()
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)  # a gathered full-precision tensor is freed right here
+        tensor = tensor.contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+        stats.bytes += nbytes
+        stats.tensors += 1
+        stats.largest_bucket = max(stats.largest_bucket, size)
+        stats.sample()
+    if bucket:
+        yield bucket
+
+
+def sync_weights(module: torch.nn.Module, engine: Any, bucket_mb: float) -> dict[str, float]:
+    """Push `module`'s weights (plain or FSDP2-sharded) into `engine`; returns sync metrics.
+
+    `sync/peak_extra_mb` is measured: on CUDA the peak of allocated memory above its level at the
+    start (gathers, conversions and the engine's loading buffers); on CPU the peak resident set size
+    above its level at the start, sampled after every tensor. `sync/bucket_mb` is the largest bucket.
+    """
+    start = time.perf_counter()
+    param = next(module.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    stats = SyncStats()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        stats.start_rss()
+    engine.load_weights(full_named_tensors(module), bucket_mb=bucket_mb, stats=stats)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        stats.sample()
+        peak = stats.peak_extra_rss
+    return {
+        "sync/time_s": time.perf_counter() - start,
+        "sync/peak_extra_mb": peak / (1 << 20),
+        "sync/bucket_mb": stats.largest_bucket / (1 << 20),
+        "sync/bytes": float(stats.bytes),
+    }
