@@ -1,6 +1,6 @@
 """Build what the quickstart needs, if missing: the tiny Qwen2.5-VL and the shapes dataset.
 
-    python examples/prepare_quickstart.py [--out outputs/quickstart]
+python examples/prepare_quickstart.py [--out outputs/quickstart]
 """
 
 import argparse
@@ -16,7 +16,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     if not (out / "model" / "config.json").exists():
-        build_tiny_model(out / "model", arch="qwen2_5_vl", size="tiny", seed=0, min_pixels=3136, max_pixels=12544)
+        build_tiny_model(
+            out / "model", arch="qwen2_5_vl", size="tiny", seed=0, min_pixels=3136, max_pixels=12544
+        )
         print(f"built the tiny model in {out / 'model'}")
     if not (out / "data" / "train.jsonl").exists():
         make_shapes_dataset(out / "data", n_train=512, n_val=64, seed=0, task="colour")

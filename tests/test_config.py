@@ -32,7 +32,9 @@ def base(tmp_path: Path) -> list[str]:
 
 def test_defaults_yaml_then_overrides(tmp_path: Path, base: list[str]) -> None:
     yaml_file = tmp_path / "c.yaml"
-    yaml_file.write_text("worker:\n  rollout:\n    n: 8\n    temperature: 0.7\ntrainer:\n  logger: [console]\n")
+    yaml_file.write_text(
+        "worker:\n  rollout:\n    n: 8\n    temperature: 0.7\ntrainer:\n  logger: [console]\n"
+    )
     config = load_config([f"config={yaml_file}", *base, "worker.rollout.temperature=0.9"])
     assert config.worker.rollout.n == 4  # the override comes after the file
     assert config.worker.rollout.temperature == 0.9
@@ -74,13 +76,19 @@ def test_frozen_after_finalize(base: list[str]) -> None:
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("worker.rollout.temprature=0.5", r"unknown config key 'worker.rollout.temprature'; did you mean worker.rollout.temperature\?"),
+        (
+            "worker.rollout.temprature=0.5",
+            r"unknown config key 'worker.rollout.temprature'; did you mean worker.rollout.temperature\?",
+        ),
         ("data.rollout_bach_size=8", r"did you mean data.rollout_batch_size\?"),
         ("trainer.nope.x=1", r"unknown config key 'trainer.nope'"),
         ("worker.rollout.n=four", r"worker.rollout.n must be of type int, got 'four'"),
         ("worker.rollout.n=true", r"worker.rollout.n must be of type int"),
         ("trainer.logger=5", r"trainer.logger\[0\] must be of type str|trainer.logger must be a list"),
-        ("worker.reward.reward_function_kwargs=[1]", r"worker.reward.reward_function_kwargs must be a mapping"),
+        (
+            "worker.reward.reward_function_kwargs=[1]",
+            r"worker.reward.reward_function_kwargs must be a mapping",
+        ),
     ],
 )
 def test_bad_keys_and_types(base: list[str], override: str, message: str) -> None:
@@ -143,7 +151,7 @@ def test_every_field_has_a_docstring() -> None:
                 cfg.TrainerConfig):  # fmt: skip
         docs = field_docs(cls)
         for f in fields(cls):
-            if not is_dataclass(f.type) and not f.name in ("model", "optim", "fsdp", "offload"):
+            if not is_dataclass(f.type) and f.name not in ("model", "optim", "fsdp", "offload"):
                 assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
 
 
@@ -161,4 +169,6 @@ def test_example_configs_load() -> None:
 def test_config_reference_is_current() -> None:
     from vlrl.tools.config_docs import render
 
-    assert (REPO / "docs" / "config.md").read_text() == render(), "run: python -m vlrl.tools.config_docs > docs/config.md"
+    assert (REPO / "docs" / "config.md").read_text() == render(), (
+        "run: python -m vlrl.tools.config_docs > docs/config.md"
+    )

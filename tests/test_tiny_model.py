@@ -13,7 +13,10 @@ from vlrl.models.tiny import SPECIAL_TOKENS, VISION_ARCHS, build_tiny_model
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: build_tiny_model(root / arch, arch=arch) for arch in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen2")}
+    return {
+        arch: build_tiny_model(root / arch, arch=arch)
+        for arch in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen2")
+    }
 
 
 def _inputs(arch: str, path: Path):
@@ -21,12 +24,16 @@ def _inputs(arch: str, path: Path):
 
     if arch in VISION_ARCHS:
         processor = AutoProcessor.from_pretrained(path)
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it"}]}]
+        messages = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it"}]}
+        ]
         text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         image = Image.new("RGB", (56, 84), (255, 0, 0))
         return processor.tokenizer, text, processor(text=[text], images=[image], return_tensors="pt")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "what colour"}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "what colour"}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer, text, tokenizer(text, return_tensors="pt")
 
 

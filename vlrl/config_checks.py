@@ -52,7 +52,10 @@ def _check_batch_sizes(config: PPOConfig) -> list[str]:
             f"worker.actor.global_batch_size={actor.global_batch_size} x worker.rollout.n={n} must be divisible "
             f"by the world size {world} (trainer.nnodes x trainer.n_gpus_per_node)"
         )
-    elif not actor.dynamic_batching and config.samples_per_minibatch_per_rank % actor.micro_batch_size_per_device_for_update:
+    elif (
+        not actor.dynamic_batching
+        and config.samples_per_minibatch_per_rank % actor.micro_batch_size_per_device_for_update
+    ):
         errors.append(
             f"each rank gets {config.samples_per_minibatch_per_rank} samples per optimizer step "
             f"(global_batch_size x n / world size), which must be divisible by "
@@ -60,7 +63,9 @@ def _check_batch_sizes(config: PPOConfig) -> list[str]:
         )
     mini = data.mini_rollout_batch_size
     if mini is not None and (mini < 1 or data.rollout_batch_size % mini):
-        errors.append(f"data.rollout_batch_size={data.rollout_batch_size} must be divisible by data.mini_rollout_batch_size={mini}")
+        errors.append(
+            f"data.rollout_batch_size={data.rollout_batch_size} must be divisible by data.mini_rollout_batch_size={mini}"
+        )
     return errors
 
 
@@ -85,7 +90,9 @@ def _check_algorithm(config: PPOConfig) -> list[str]:
             f"algorithm.adv_estimator={algo.adv_estimator} compares samples of one prompt: set worker.rollout.n >= 2"
         )
     if algo.adv_estimator == "gae":
-        errors.append("algorithm.adv_estimator=gae needs a critic, which vlrl does not train yet; use grpo or rloo")
+        errors.append(
+            "algorithm.adv_estimator=gae needs a critic, which vlrl does not train yet; use grpo or rloo"
+        )
     if actor.clip_ratio_dual <= 1.0:
         errors.append(f"worker.actor.clip_ratio_dual={actor.clip_ratio_dual} must be > 1")
     if actor.clip_ratio_low < 0 or actor.clip_ratio_high < 0:
@@ -93,7 +100,9 @@ def _check_algorithm(config: PPOConfig) -> list[str]:
     if algo.online_filtering and algo.adv_estimator == "remax":
         errors.append("algorithm.adv_estimator=remax cannot be combined with algorithm.online_filtering=true")
     if algo.online_filtering and not algo.filter_low < algo.filter_high:
-        errors.append(f"algorithm.filter_low={algo.filter_low} must be < algorithm.filter_high={algo.filter_high}")
+        errors.append(
+            f"algorithm.filter_low={algo.filter_low} must be < algorithm.filter_high={algo.filter_high}"
+        )
     return errors
 
 
@@ -118,12 +127,16 @@ def _check_rollout(config: PPOConfig) -> list[str]:
             f"{needed}; raise it or set worker.rollout.enable_chunked_prefill=true"
         )
     if not 0 < rollout.gpu_memory_utilization <= 1:
-        errors.append(f"worker.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]")
+        errors.append(
+            f"worker.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"
+        )
     if rollout.temperature < 0:
         errors.append(f"worker.rollout.temperature={rollout.temperature} must be >= 0")
     bad = sorted(set(rollout.val_override_config) - set(SAMPLING_KEYS))
     if bad:
-        errors.append(f"worker.rollout.val_override_config has unknown keys {bad}; valid: {list(SAMPLING_KEYS)}")
+        errors.append(
+            f"worker.rollout.val_override_config has unknown keys {bad}; valid: {list(SAMPLING_KEYS)}"
+        )
     return errors
 
 
@@ -135,9 +148,15 @@ def _check_reward(config: PPOConfig) -> list[str]:
     if reward.on_failure not in ("raise", "zero"):
         errors.append(f"worker.reward.on_failure={reward.on_failure!r} must be raise or zero")
     if not reward.reward_function:
-        errors.append("worker.reward.reward_function is required (e.g. ./reward_functions/math.py:compute_score)")
+        errors.append(
+            "worker.reward.reward_function is required (e.g. ./reward_functions/math.py:compute_score)"
+        )
     else:
-        path = reward.reward_function.rsplit(":", 1)[0] if ":" in reward.reward_function else reward.reward_function
+        path = (
+            reward.reward_function.rsplit(":", 1)[0]
+            if ":" in reward.reward_function
+            else reward.reward_function
+        )
         if not os.path.isfile(path):
             errors.append(f"worker.reward.reward_function: file {path!r} does not exist")
     if reward.num_workers < 0:

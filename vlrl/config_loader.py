@@ -93,7 +93,11 @@ def build_section(cls: type, values: dict[str, Any], prefix: str) -> Any:
 
 def _unknown_key_message(full_key: str, key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean {full_key.rsplit('.', 1)[0] + '.' if '.' in full_key else ''}{close[0]}?" if close else ""
+    hint = (
+        f"; did you mean {full_key.rsplit('.', 1)[0] + '.' if '.' in full_key else ''}{close[0]}?"
+        if close
+        else ""
+    )
     return f"unknown config key {full_key!r}{hint} (valid keys here: {', '.join(sorted(valid))})"
 
 

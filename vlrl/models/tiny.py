@@ -142,7 +142,9 @@ def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]
         tie_word_embeddings=False,
     )
     if arch == "qwen2":
-        return AutoConfig.for_model("qwen2", **text, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        return AutoConfig.for_model(
+            "qwen2", **text, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+        )
     # mrope splits head_dim/2 rotary frequencies over (temporal, height, width).
     half = head_dim // 2
     section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
@@ -168,7 +170,9 @@ def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]
                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=144,
                       deepstack_visual_indexes=[vd - 1])  # fmt: skip
     text["rope_parameters"] = rope
-    return AutoConfig.for_model(arch, text_config=text, vision_config=vision, **vision_ids, tie_word_embeddings=False)
+    return AutoConfig.for_model(
+        arch, text_config=text, vision_config=vision, **vision_ids, tie_word_embeddings=False
+    )
 
 
 def build_processor(arch: str, tokenizer, min_pixels: int, max_pixels: int):
@@ -180,14 +184,21 @@ def build_processor(arch: str, tokenizer, min_pixels: int, max_pixels: int):
 
         patch, processor_cls, video_cls = 16, Qwen3VLProcessor, Qwen3VLVideoProcessor
     else:
-        from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+        from transformers import (
+            Qwen2_5_VLProcessor,
+            Qwen2VLImageProcessor,
+            Qwen2VLProcessor,
+            Qwen2VLVideoProcessor,
+        )
 
         patch, video_cls = 14, Qwen2VLVideoProcessor
         processor_cls = Qwen2_5_VLProcessor if arch == "qwen2_5_vl" else Qwen2VLProcessor
     pixels = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     image = Qwen2VLImageProcessor(patch_size=patch, merge_size=2, temporal_patch_size=2, size=pixels)
     video = video_cls(patch_size=patch, merge_size=2, temporal_patch_size=2, size=pixels)
-    return processor_cls(image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=CHAT_TEMPLATE)
+    return processor_cls(
+        image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=CHAT_TEMPLATE
+    )
 
 
 def build_tiny_model(
@@ -229,7 +240,9 @@ def build_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out_dir")
     parser.add_argument("--arch", default="qwen2_5_vl", choices=ARCHS)
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
@@ -239,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (safe_open is not a dict)
     print(f"wrote {args.arch} ({args.size}, {n_params / 1e6:.2f} M parameters) to {out}")
 
 
