@@ -264,7 +264,11 @@ class RayPPOTrainer:
         def write_actor(folder: str) -> None:
             self.ranks.call_all("save_checkpoint", folder, model_only)
 
-        state = {"dataloader": self.data.state_dict(), "kl_coef": self.kl_ctrl.value, "model_only": model_only}
+        state = {
+            "dataloader": self.data.state_dict(),
+            "kl_coef": self.kl_ctrl.value,
+            "model_only": model_only,
+        }
         return self.checkpoints.save(self.global_step, write_actor, state, val_score)
 
     def _resume(self) -> None:
