@@ -54,6 +54,7 @@ def _args(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
         "worker.rollout.n=4",
         "trainer.plot_path=null",
         "trainer.logger=[console,file]",
+        "trainer.find_last_checkpoint=true",  # the quickstart config turns it off
         *extra,
     ]
 
