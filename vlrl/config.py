@@ -299,7 +299,7 @@ class RewardConfig(_Section):
 @dataclass
 class WorkerConfig(_Section):
     hybrid_engine: bool = True
-    """Actor, rollout and reference share each rank (the only mode)."""
+    """Actor, rollout and reference share each rank: always on (accepted so EasyR1 configs load)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
