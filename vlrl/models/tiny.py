@@ -34,12 +34,10 @@ SPECIAL_TOKENS = (
 )
 
 # Our own chat template (Qwen-style turns). Message content is a string or a list of parts
-# {"type": "text", "text": ...} / {"type": "image"} / {"type": "video"}.
+# {"type": "text", "text": ...} / {"type": "image"} / {"type": "video"}. Unlike Qwen's, it adds no
+# default system turn: a tiny model attends more to the image when the prompt is short.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
