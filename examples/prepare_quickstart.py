@@ -17,11 +17,11 @@ def main() -> None:
     out = Path(args.out)
     if not (out / "model" / "config.json").exists():
         build_tiny_model(
-            out / "model", arch="qwen2_5_vl", size="tiny", seed=0, min_pixels=3136, max_pixels=12544
+            out / "model", arch="qwen2_5_vl", size="tiny", seed=0, min_pixels=12544, max_pixels=12544
         )
         print(f"built the tiny model in {out / 'model'}")
     if not (out / "data" / "train.jsonl").exists():
-        make_shapes_dataset(out / "data", n_train=512, n_val=64, seed=0, task="colour")
+        make_shapes_dataset(out / "data", n_train=512, n_val=64, seed=0, task="colour", image_size=112)
         print(f"built the shapes dataset in {out / 'data'}")
 
 
