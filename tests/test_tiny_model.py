@@ -72,6 +72,20 @@ def test_deterministic_for_a_seed(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "a" / "vlrl_tiny.json").read_text())["seed"] == 3
 
 
+def test_chat_template_adds_no_system_turn_but_renders_a_given_one(tiny_dirs: dict[str, Path]) -> None:
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_dirs["qwen2_5_vl"])
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}
+    plain = processor.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+    assert plain == (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>colour?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    system = {"role": "system", "content": "Be brief."}
+    with_system = processor.apply_chat_template([system, user], tokenize=False, add_generation_prompt=True)
+    assert with_system == "<|im_start|>system\nBe brief.<|im_end|>\n" + plain
+
+
 def test_unknown_arch_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown arch 'llava'"):
         build_tiny_model(tmp_path, arch="llava")
