@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ from rollout_helpers import (
 
 from vlrl.models.processor import load_processor
 from vlrl.rollout import NoWeightsError, create_rollout_engine, sync_weights
+from vlrl.rollout.vllm_hooks import CPU_WORKER_LOGGER
 
 GREEDY = {"temperature": 0.0, "n": 1}
 
@@ -86,6 +88,22 @@ def test_outputs_for_one_two_and_no_images(vl):
     assert (batch.rollout_log_probs[mask] <= 0).all() and (batch.rollout_log_probs[~mask] == 0).all()
     assert batch.rollout_log_probs[mask].lt(-1e-3).any()  # sampled at temperature 1: real log-probs
     assert not torch.isin(batch.responses, torch.tensor(engine.banned_token_ids)).any()
+
+
+def test_image_prompts_log_no_thread_warnings(vl):
+    """vLLM's CPU worker warns twice per image prompt that it cannot set the thread count; dropped."""
+    synced(vl)
+    logger = logging.getLogger(CPU_WORKER_LOGGER)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        vl.engine.generate(vl.prompts)
+        logger.warning("another warning")  # the filter drops only the thread-count message
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["another warning"]
 
 
 def test_seeds_repeat_and_differ(vl):

@@ -18,10 +18,15 @@ Why these exist (read from the installed vllm, 0.32.0):
 - Banned tokens: a custom logits processor (one `index_fill_` per step for the whole batch) instead
   of `allowed_token_ids` (a vocabulary-sized list validated per request) or `bad_words` (a Python
   loop per request per step); `logit_bias` is clamped to +-100, which is not a ban.
+- vLLM's CPU worker replaces `torch.set_num_threads` with a function that only logs a warning,
+  and the multimodal renderer sets and restores the thread count around every image prompt: two
+  identical warnings per prompt (2,400 lines in a 60-step quickstart), each forwarded by Ray to
+  the driver. `silence_cpu_thread_warning` drops exactly that message.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,6 +34,20 @@ import torch
 
 DUMMY_LOAD_FORMAT = "vlrl_dummy"
 _registered = False
+CPU_WORKER_LOGGER = "vllm.v1.worker.cpu_worker"
+_THREAD_WARNING = "CPU backend doesn't allow to use `torch.set_num_threads`"
+
+
+class _DropThreadWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_THREAD_WARNING)
+
+
+def silence_cpu_thread_warning() -> None:
+    """Drop vLLM's per-prompt "cannot set_num_threads" warning on CPU (idempotent)."""
+    logger = logging.getLogger(CPU_WORKER_LOGGER)
+    if not any(isinstance(f, _DropThreadWarning) for f in logger.filters):
+        logger.addFilter(_DropThreadWarning())
 
 
 def register_dummy_loader() -> str:
