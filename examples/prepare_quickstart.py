@@ -1,13 +1,18 @@
-"""Build what the quickstart needs, if missing: the tiny Qwen2.5-VL and the shapes dataset.
+"""Build what the quickstart needs, if missing: the shapes dataset and the tiny Qwen2.5-VL.
 
 python examples/prepare_quickstart.py [--out outputs/quickstart]
+
+The model is random, then warmed up to answer with one colour word and stop, the colour drawn at
+random whatever the image (`vlrl.models.warmup`): RL then starts at chance (~0.25) and what it
+learns is reading the image.
 """
 
 import argparse
 from pathlib import Path
 
-from vlrl.data.synthetic import make_shapes_dataset
+from vlrl.data.synthetic import COLOURS, make_shapes_dataset
 from vlrl.models.tiny import build_tiny_model
+from vlrl.models.warmup import MARKER, warm_up_answer_format
 
 
 def main() -> None:
@@ -15,14 +20,20 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/quickstart")
     args = parser.parse_args()
     out = Path(args.out)
-    if not (out / "model" / "config.json").exists():
-        build_tiny_model(
-            out / "model", arch="qwen2_5_vl", size="tiny", seed=0, min_pixels=12544, max_pixels=12544
-        )
-        print(f"built the tiny model in {out / 'model'}")
     if not (out / "data" / "train.jsonl").exists():
         make_shapes_dataset(out / "data", n_train=512, n_val=64, seed=0, task="colour", image_size=112)
         print(f"built the shapes dataset in {out / 'data'}")
+    if not (out / "model" / MARKER).exists():
+        build_tiny_model(
+            out / "model", arch="qwen2_5_vl", size="tiny", seed=0, min_pixels=12544, max_pixels=12544
+        )
+        stats = warm_up_answer_format(
+            out / "model", out / "data" / "train.jsonl", sorted(COLOURS), "format_prompts/shapes.jinja"
+        )
+        print(
+            f"built the tiny model in {out / 'model'}; answer-format warm-up: "
+            f"loss {stats['loss_first']:.2f} -> {stats['loss_last']:.2f} in {stats['seconds']:.1f} s"
+        )
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ def _args(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
         f"data.format_prompt={REPO / 'format_prompts' / 'shapes.jinja'}",
         f"worker.reward.reward_function={assets['reward']}:compute_score",
         "data.rollout_batch_size=4",
+        "data.max_response_length=8",  # multi-token responses (the quickstart samples one token)
         "worker.actor.global_batch_size=2",
         "worker.actor.micro_batch_size_per_device_for_update=4",
         "worker.actor.micro_batch_size_per_device_for_experience=8",

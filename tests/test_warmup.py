@@ -1,0 +1,66 @@
+"""The answer-format warm-up teaches the form of an answer (one listed word, then stop), not which word."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from vlrl.data.prompts import ChatFormatter, FormatPrompt
+from vlrl.data.synthetic import COLOURS, make_shapes_dataset
+from vlrl.models.tiny import build_tiny_model
+from vlrl.models.warmup import MARKER, warm_up_answer_format
+
+FORMAT = "format_prompts/shapes.jinja"
+COLOUR_WORDS = sorted(COLOURS)
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, float]]:
+    root = tmp_path_factory.mktemp("warmup")
+    model = build_tiny_model(root / "model", arch="qwen2_5_vl", seed=0)
+    train, val = make_shapes_dataset(root / "data", n_train=64, n_val=48, seed=3, task="colour")
+    stats = warm_up_answer_format(model, train, COLOUR_WORDS, FORMAT, steps=60, seed=0)
+    return model, val, stats
+
+
+def _next_token_probs(model_dir: Path, rows: list[dict], data_dir: Path, suffix: str) -> torch.Tensor:
+    """[rows, vocab] probabilities of the token after prompt + `suffix`."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    processor.tokenizer.padding_side = "left"
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    chat, fmt = ChatFormatter(processor.tokenizer, processor), FormatPrompt(FORMAT)
+    texts = [chat(fmt.render(r["problem"])) + suffix for r in rows]
+    images = [[Image.open(data_dir / p).convert("RGB") for p in r["images"]] for r in rows]
+    with torch.no_grad():
+        logits = model(**processor(text=texts, images=images, return_tensors="pt", padding=True)).logits
+    return logits[:, -1].softmax(-1)
+
+
+def test_answers_in_form_at_chance_accuracy(warmed):
+    model_dir, val, stats = warmed
+    rows = [json.loads(line) for line in val.read_text().splitlines()]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    colour_ids = [tokenizer.convert_tokens_to_ids(c) for c in COLOUR_WORDS]  # each colour is one token
+    probs = _next_token_probs(model_dir, rows, val.parent, "")[:, colour_ids]  # [rows, 4]
+    assert probs.sum(-1).mean() > 0.9  # answers with a colour word
+    share = probs.mean(0) / probs.sum(-1).mean()
+    assert share.min() > 0.1 and share.max() < 0.45, share  # no colour favoured
+    truth = torch.tensor([COLOUR_WORDS.index(r["answer"]) for r in rows])
+    accuracy = (probs.argmax(-1) == truth).float().mean().item()
+    assert accuracy < 0.6  # chance is 0.25; the warm-up's labels never depend on the image
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert _next_token_probs(model_dir, rows[:8], val.parent, "blue")[:, end].min() > 0.8  # then stops
+    assert stats["loss_last"] < 0.85 < 6 < stats["loss_first"]  # floor ln(4)/2 = 0.69
+    assert json.loads((model_dir / MARKER).read_text())["answers"] == COLOUR_WORDS
+
+
+def test_rejects_empty_answers(warmed):
+    model_dir, val, _ = warmed
+    with pytest.raises(ValueError, match="answers is empty"):
+        warm_up_answer_format(model_dir, val, [], FORMAT)

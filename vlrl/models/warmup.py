@@ -1,0 +1,163 @@
+"""Answer-format warm-up: teach a freshly built (random) model the *form* of an answer, not its content.
+
+    python -m vlrl.models.warmup MODEL_DIR TRAIN_JSONL --answers red green blue yellow \
+        [--format-prompt format_prompts/shapes.jinja] [--steps 60]
+
+RL post-training starts from a model that already answers in the expected form; a random tiny
+model instead emits near-uniform tokens from its whole vocabulary, so almost every sample scores
+0 and the few that score 1 carry the reward on a handful of lucky tokens among noise. This runs a
+short supervised fit on the dataset's own prompts (same format prompt, chat template and images)
+with targets `<answer><|im_end|>`, where `<answer>` is drawn uniformly from `answers`
+*independently of the row*. The model learns "say one of these words, then stop" and nothing about
+which word is right for an image: its accuracy stays at chance (a test checks this), so what RL
+then gains is reading the image.
+
+The model folder is overwritten in place and `warmup.json` records what was done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from vlrl.data.prompts import ChatFormatter, FormatPrompt
+
+MARKER = "warmup.json"
+
+
+def _load_model_and_processor(model_dir: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    return model, processor
+
+
+def _render(
+    rows: list[dict], answers: list[str], fmt: FormatPrompt | None, chat: ChatFormatter, prompt_key: str
+):
+    """Full texts (prompt + answer + end of turn) for `rows` and the answers chosen."""
+    texts = []
+    for row, answer in zip(rows, answers, strict=True):
+        content = fmt.render(row[prompt_key]) if fmt else row[prompt_key]
+        texts.append(chat(content) + answer + "<|im_end|>")
+    return texts
+
+
+def _answer_labels(
+    input_ids: torch.Tensor, lengths: torch.Tensor, target_ids: list[list[int]]
+) -> torch.Tensor:
+    """Labels [B, T]: each sequence's last len(target) real tokens, -100 elsewhere (right padding)."""
+    labels = torch.full_like(input_ids, -100)
+    for i, target in enumerate(target_ids):
+        end = int(lengths[i])
+        got = input_ids[i, end - len(target) : end].tolist()
+        if got != target:
+            raise ValueError(
+                f"the answer tokens merged with the prompt when tokenized together ({got} != {target}); "
+                "end the format prompt or chat template with a newline"
+            )
+        labels[i, end - len(target) : end] = input_ids[i, end - len(target) : end]
+    return labels
+
+
+def warm_up_answer_format(
+    model_dir: str | Path,
+    train_file: str | Path,
+    answers: list[str],
+    format_prompt: str | None = None,
+    steps: int = 60,
+    batch_size: int = 16,
+    lr: float = 1e-3,
+    seed: int = 0,
+    prompt_key: str = "problem",
+    image_key: str = "images",
+) -> dict[str, float]:
+    """Fit `model_dir` to answer the prompts of `train_file` (JSONL) with a random word of `answers`.
+
+    Returns {"loss_first", "loss_last", "seconds"}; the floor of the loss is about
+    ln(len(answers)) / 2 (a uniform guess on the answer token, a certain end of turn).
+    """
+    model_dir, train_file = Path(model_dir), Path(train_file)
+    if not answers:
+        raise ValueError("answers is empty: give the words the model may answer with")
+    rows = [json.loads(line) for line in train_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{train_file} has no rows")
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model, processor = _load_model_and_processor(model_dir)
+    tokenizer = processor.tokenizer
+    tokenizer.padding_side = "right"
+    chat = ChatFormatter(tokenizer, processor)
+    fmt = FormatPrompt(format_prompt) if format_prompt else None
+    targets = {a: tokenizer(a + "<|im_end|>", add_special_tokens=False).input_ids for a in answers}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses, start = [], time.perf_counter()
+    for _ in range(steps):
+        batch = rng.sample(rows, min(batch_size, len(rows)))
+        chosen = [rng.choice(answers) for _ in batch]  # independent of the row: form, not content
+        images = [
+            [Image.open(train_file.parent / p).convert("RGB") for p in row.get(image_key) or []]
+            for row in batch
+        ]
+        texts = _render(batch, chosen, fmt, chat, prompt_key)
+        enc = processor(text=texts, images=images if any(images) else None, return_tensors="pt", padding=True)
+        labels = _answer_labels(enc["input_ids"], enc["attention_mask"].sum(1), [targets[a] for a in chosen])
+        logits = model(**enc).logits[:, :-1]  # [B, T-1, V] predicts tokens 1..T-1
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    model.save_pretrained(model_dir)
+    stats = {"loss_first": losses[0], "loss_last": losses[-1], "seconds": time.perf_counter() - start}
+    record = {
+        "answers": answers,
+        "train_file": str(train_file),
+        "steps": steps,
+        "lr": lr,
+        "seed": seed,
+        **stats,
+    }
+    (model_dir / MARKER).write_text(json.dumps(record, indent=1))
+    return stats
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("model_dir")
+    parser.add_argument("train_file")
+    parser.add_argument("--answers", nargs="+", required=True)
+    parser.add_argument("--format-prompt", default=None)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    stats = warm_up_answer_format(
+        args.model_dir,
+        args.train_file,
+        args.answers,
+        args.format_prompt,
+        args.steps,
+        lr=args.lr,
+        seed=args.seed,
+    )
+    print(
+        f"answer-format warm-up: loss {stats['loss_first']:.3f} -> {stats['loss_last']:.3f} in {stats['seconds']:.1f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
