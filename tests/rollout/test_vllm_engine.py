@@ -23,7 +23,7 @@ from rollout_helpers import (
 
 from vlrl.models.processor import load_processor
 from vlrl.rollout import NoWeightsError, create_rollout_engine, sync_weights
-from vlrl.rollout.vllm_hooks import CPU_WORKER_LOGGER
+from vlrl.rollout.vllm_hooks import REPEATED_LOGS
 
 GREEDY = {"temperature": 0.0, "n": 1}
 
@@ -90,20 +90,28 @@ def test_outputs_for_one_two_and_no_images(vl):
     assert not torch.isin(batch.responses, torch.tensor(engine.banned_token_ids)).any()
 
 
-def test_image_prompts_log_no_thread_warnings(vl):
-    """vLLM's CPU worker warns twice per image prompt that it cannot set the thread count; dropped."""
+def test_repeated_vllm_log_lines_are_dropped(vl):
+    """Per image prompt vLLM's CPU worker warns twice that it cannot set the thread count, and each
+    weight sync logs a prefix-cache reset: both dropped, other messages of those loggers kept."""
     synced(vl)
-    logger = logging.getLogger(CPU_WORKER_LOGGER)
+    loggers = [logging.getLogger(name) for name in REPEATED_LOGS]
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    logger.addHandler(handler)
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)  # tests run with vLLM's logging unconfigured (WARNING)
     try:
         vl.engine.generate(vl.prompts)
-        logger.warning("another warning")  # the filter drops only the thread-count message
+        sync_weights(vl.base, vl.engine, bucket_mb=1)
+        for logger in loggers:
+            logger.warning("another message")
     finally:
-        logger.removeHandler(handler)
-    assert [r.getMessage() for r in records] == ["another warning"]
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    assert [r.getMessage() for r in records] == ["another message"] * len(loggers)
 
 
 def test_seeds_repeat_and_differ(vl):

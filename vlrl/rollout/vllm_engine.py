@@ -126,7 +126,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def _build_llm(self, model_path: str, tokenizer: Any) -> Any:
         from vllm import LLM
 
-        vllm_hooks.silence_cpu_thread_warning()
+        vllm_hooks.silence_repeated_logs()
         c = self.config
         kwargs: dict[str, Any] = {}
         if self.is_vision:

@@ -18,10 +18,11 @@ Why these exist (read from the installed vllm, 0.32.0):
 - Banned tokens: a custom logits processor (one `index_fill_` per step for the whole batch) instead
   of `allowed_token_ids` (a vocabulary-sized list validated per request) or `bad_words` (a Python
   loop per request per step); `logit_bias` is clamped to +-100, which is not a ban.
-- vLLM's CPU worker replaces `torch.set_num_threads` with a function that only logs a warning,
-  and the multimodal renderer sets and restores the thread count around every image prompt: two
-  identical warnings per prompt (2,400 lines in a 60-step quickstart), each forwarded by Ray to
-  the driver. `silence_cpu_thread_warning` drops exactly that message.
+- Log lines repeated per prompt or per step, each forwarded by Ray to the driver, that
+  `silence_repeated_logs` drops (only these messages): vLLM's CPU worker replaces
+  `torch.set_num_threads` with a function that logs a warning, and the multimodal renderer sets
+  and restores the thread count around every image prompt (two warnings per prompt, 2,400 lines
+  in a 60-step quickstart); and the INFO line of the prefix-cache reset after each weight sync.
 """
 
 from __future__ import annotations
@@ -34,20 +35,28 @@ import torch
 
 DUMMY_LOAD_FORMAT = "vlrl_dummy"
 _registered = False
-CPU_WORKER_LOGGER = "vllm.v1.worker.cpu_worker"
-_THREAD_WARNING = "CPU backend doesn't allow to use `torch.set_num_threads`"
+# logger name -> start of the one message dropped from it
+REPEATED_LOGS = {
+    "vllm.v1.worker.cpu_worker": "CPU backend doesn't allow to use `torch.set_num_threads`",
+    "vllm.v1.core.block_pool": "Successfully reset prefix cache",
+}
 
 
-class _DropThreadWarning(logging.Filter):
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(_THREAD_WARNING)
+        return not str(record.msg).startswith(self.prefix)
 
 
-def silence_cpu_thread_warning() -> None:
-    """Drop vLLM's per-prompt "cannot set_num_threads" warning on CPU (idempotent)."""
-    logger = logging.getLogger(CPU_WORKER_LOGGER)
-    if not any(isinstance(f, _DropThreadWarning) for f in logger.filters):
-        logger.addFilter(_DropThreadWarning())
+def silence_repeated_logs() -> None:
+    """Drop the per-prompt / per-step vLLM log lines of `REPEATED_LOGS` (idempotent)."""
+    for name, prefix in REPEATED_LOGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) for f in logger.filters):
+            logger.addFilter(_DropMessage(prefix))
 
 
 def register_dummy_loader() -> str:
