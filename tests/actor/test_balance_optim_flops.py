@@ -158,3 +158,19 @@ def test_vision_cache_reuses_group_images_and_keeps_sizes(actor_model):
     assert grid.tolist() == [[1, 6, 10]] * 3
     assert pv.shape[0] == 3 * 60
     assert cache.collate([[], []]) == (None, None)
+
+
+def test_vision_cache_collate_shared_lists_each_distinct_image_once(actor_model):
+    from vlrl.models.processor import load_processor
+
+    _, processor = load_processor(actor_model("qwen2_5_vl"))
+    cache = VisionCache(processor.image_processor)
+    red, blue, green = (Image.new("RGB", (56, 56), c) for c in ((200, 0, 0), (0, 0, 200), (0, 200, 0)))
+    pv, grid, index = cache.collate_shared([[red], [red, blue], [], [red], [red, blue], [green]])
+    assert grid.shape[0] == 4  # red; red, blue; green
+    assert index == [0, 1, 2, 0, 1, 2, 3]  # per image in token order: its row in the grid
+    full_pv, full_grid = cache.collate([[red], [red, blue], [green]])
+    assert pv.equal(full_pv) and grid.equal(full_grid)
+    _, _, none_repeated = cache.collate_shared([[red], [blue]])
+    assert none_repeated is None
+    assert cache.collate_shared([[], []]) == (None, None, None)

@@ -76,6 +76,37 @@ def test_anchor_sequences_change_nothing(setup):
         assert out.anchor.item() == 0.0
 
 
+def _loss_and_grads(model, batch, vision, padded: bool, image_index=None):
+    """Sum of response log-probs and the gradient of every parameter."""
+    args = (batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_length)
+    build = build_padded_inputs if padded else build_packed_inputs
+    inputs = build(*args, pixel_values=vision[0], image_grid_thw=vision[1], image_index=image_index)
+    model.zero_grad()
+    out = forward_log_probs(model, inputs)
+    loss = (out.log_probs * batch.response_mask).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_shared_images_match_one_encoding_per_copy(setup, padded):
+    """Encoding each distinct image once gives the per-copy log-probs and gradients."""
+    model, batch, vision, _ = setup
+    if vision[0] is None:
+        pytest.skip("text-only model")
+    pv, grid, index = VisionCache(load_processor(model.name_or_path)[1].image_processor).collate_shared(
+        batch.images
+    )
+    copies = sum(1 for imgs in batch.images if imgs)
+    assert len(grid) * 2 == copies == len(index)  # groups of 2 share their image: half the encodings
+    loss, grads = _loss_and_grads(model, batch, vision, padded)
+    shared_loss, shared_grads = _loss_and_grads(model, batch, (pv, grid), padded, image_index=index)
+    torch.testing.assert_close(shared_loss, loss, rtol=1e-5, atol=1e-4)
+    assert grads.keys() == shared_grads.keys() and any("visual" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_empty_micro_batch_still_has_a_graph(actor_model):
     path = actor_model("qwen2_5_vl")
     model = load_model(path)

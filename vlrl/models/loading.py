@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from vlrl.models.attention import VARLEN_ATTENTION, set_text_attention
+from vlrl.models.shared_images import share_image_features
 
 DTYPES = {
     "float32": torch.float32,
@@ -106,6 +107,8 @@ def load_model(
             trust_remote_code=trust_remote_code,
         )
     model.config.use_cache = False
+    if is_vision_model(config):
+        share_image_features(model)  # accepts vlrl_image_index: one encoding per distinct image
     if padding_free:
         set_text_attention(model, VARLEN_ATTENTION)
     if gradient_checkpointing:

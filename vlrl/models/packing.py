@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from vlrl.models.attention import make_varlen_info
+from vlrl.models.shared_images import IMAGE_INDEX_KWARG
 
 LOGIT_CHUNK = 2048  # rows of logits upcast to fp32 at a time: bounds the [M, V] fp32 temporaries
 
@@ -60,9 +61,12 @@ def scored_positions(attention_mask: Tensor, prompt_length: int) -> tuple[Tensor
 
 
 def _vision_kwargs(
-    pixel_values: Tensor | None, grid: Tensor | None, anchor: Anchor | None
-) -> dict[str, Tensor]:
-    """pixel_values / image_grid_thw of the micro-batch, with the anchor's dummy image last."""
+    pixel_values: Tensor | None, grid: Tensor | None, anchor: Anchor | None, image_index: list[int] | None
+) -> dict[str, Any]:
+    """pixel_values / image_grid_thw of the micro-batch, with the anchor's dummy image last.
+
+    `image_index` (per image in token order: its row in `grid`) when images are shared, see
+    vlrl.models.shared_images."""
     pv, gr = [], []
     if pixel_values is not None:
         pv.append(pixel_values)
@@ -72,7 +76,11 @@ def _vision_kwargs(
         gr.append(anchor.image_grid_thw)
     if not pv:
         return {}
-    return {"pixel_values": torch.cat(pv, 0), "image_grid_thw": torch.cat(gr, 0)}
+    kwargs: dict[str, Any] = {"pixel_values": torch.cat(pv, 0), "image_grid_thw": torch.cat(gr, 0)}
+    if image_index is not None:
+        extra = [len(grid)] if anchor is not None and anchor.pixel_values is not None else []
+        kwargs[IMAGE_INDEX_KWARG] = list(image_index) + extra
+    return kwargs
 
 
 def build_packed_inputs(
@@ -83,6 +91,7 @@ def build_packed_inputs(
     *,
     pixel_values: Tensor | None = None,
     image_grid_thw: Tensor | None = None,
+    image_index: list[int] | None = None,
     anchor: Anchor | None = None,
     attention_backend: str = "auto",
 ) -> ForwardInputs:
@@ -110,7 +119,7 @@ def build_packed_inputs(
         "position_ids": pos.unsqueeze(-2),  # [1, T] or [3, 1, T]
         "logits_to_keep": keep,
         "vlrl_varlen": make_varlen_info(lengths, ids.device, attention_backend),
-        **_vision_kwargs(pixel_values, image_grid_thw, anchor),
+        **_vision_kwargs(pixel_values, image_grid_thw, anchor, image_index),
     }
     targets = input_ids[rows, prompt_length + cols]
     return ForwardInputs(
@@ -126,6 +135,7 @@ def build_padded_inputs(
     *,
     pixel_values: Tensor | None = None,
     image_grid_thw: Tensor | None = None,
+    image_index: list[int] | None = None,
     anchor: Anchor | None = None,
 ) -> ForwardInputs:
     """Rows as they are; the anchor becomes one more row, its tokens at the end (left-padded)."""
@@ -151,7 +161,7 @@ def build_padded_inputs(
         "attention_mask": attention_mask,
         "position_ids": pos,
         "logits_to_keep": response_length + 1,  # positions P-1 .. L-1; the last one is dropped
-        **_vision_kwargs(pixel_values, image_grid_thw, anchor),
+        **_vision_kwargs(pixel_values, image_grid_thw, anchor, image_index),
     }
     targets = input_ids[rows, prompt_length + cols]
     return ForwardInputs(kwargs, rows, cols, targets, n, response_length, anchor is not None, padded=True)

@@ -146,9 +146,10 @@ class ShardedModel:
     ) -> LogProbOutput:
         """Log-probs [n, R] of one micro-batch (n may be 0: then only the anchor runs)."""
         dev = self.device
-        pv = grid = None
+        pv = grid = index = None
         if self.vision is not None:
-            pv, grid = self.vision.collate(mb.images)
+            # the vision tower encodes each distinct image once (vlrl.models.shared_images)
+            pv, grid, index = self.vision.collate_shared(mb.images)
             pv, grid = (pv.to(dev), grid.to(dev)) if pv is not None else (None, None)
         anchor = None
         if image_anchor and pv is None:
@@ -156,7 +157,7 @@ class ShardedModel:
         elif len(mb) == 0:
             anchor = self.text_anchor
         args = (mb.input_ids.to(dev), mb.attention_mask.to(dev), mb.position_ids.to(dev), mb.prompt_length)
-        kwargs = {"pixel_values": pv, "image_grid_thw": grid, "anchor": anchor}
+        kwargs = {"pixel_values": pv, "image_grid_thw": grid, "image_index": index, "anchor": anchor}
         if self.padding_free:
             inputs = build_packed_inputs(*args, **kwargs, attention_backend=self.attention_backend)
         else:

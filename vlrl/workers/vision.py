@@ -80,6 +80,34 @@ class VisionCache:
             return None, None
         return torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])
 
+    def collate_shared(
+        self, images: Sequence[Sequence[Any]]
+    ) -> tuple[Tensor | None, Tensor | None, list[int] | None]:
+        """Like `collate`, but samples with the same images (a GRPO group) contribute them once.
+
+        Returns (pixel_values, image_grid_thw) of the distinct images and the image index for
+        vlrl.models.shared_images: per image in token order, its row in the grid; None when no
+        sample repeats another's images (then the result equals `collate`'s).
+        """
+        parts: list[SampleVision] = []
+        first_row: dict[tuple[int, ...], int] = {}  # image tuple -> its first row in the grid
+        index: list[int] = []
+        rows = 0
+        for imgs in images:
+            value = self.sample(imgs)
+            if value is None:
+                continue
+            key, count = tuple(id(img) for img in imgs), len(value[1])
+            if key not in first_row:
+                first_row[key] = rows
+                parts.append(value)
+                rows += count
+            index.extend(range(first_row[key], first_row[key] + count))
+        if not parts:
+            return None, None, None
+        pixel_values, grid = torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])
+        return pixel_values, grid, (index if len(index) > rows else None)
+
 
 def _nbytes(value: SampleVision) -> int:
     return sum(t.numel() * t.element_size() for t in value)

@@ -1,0 +1,52 @@
+"""Run the vision tower once per distinct image of a micro-batch, not once per sample.
+
+The n samples of a GRPO group share their prompt's images, so a micro-batch of whole groups holds
+each image n times, and transformers' Qwen-VL forward would encode every copy. Instead the caller
+passes the distinct images' `pixel_values` / `image_grid_thw` plus the forward kwarg
+`vlrl_image_index` (list, one entry per image in token order: its position among the distinct
+images). `share_image_features(model)` wraps the model's `get_image_features` so it encodes the
+distinct images and returns the per-image features in token order by indexing them. Indexing
+reuses the same tensors, so autograd sums the copies' gradients into the one encoding: the forward
+and the gradient are those of the per-copy computation (tests check log-probs and gradients).
+
+All three Qwen-VL generations return `pooler_output` as a tuple of per-image tensors (Qwen3-VL also
+`deepstack_features`: one such tuple per deepstack layer) and concatenate them in the forward, which
+is what the indexing relies on; `share_image_features` refuses a model without `get_image_features`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+IMAGE_INDEX_KWARG = "vlrl_image_index"
+
+
+def _select(per_image: Any, index: list[int]) -> tuple:
+    return tuple(per_image[i] for i in index)
+
+
+def share_image_features(model: torch.nn.Module) -> None:
+    """Make `model` accept `vlrl_image_index` (see the module docstring); idempotent."""
+    inner = getattr(model, "model", model)
+    original = getattr(inner, "get_image_features", None)
+    if original is None:
+        raise ValueError(f"{type(model).__name__} has no get_image_features: not a Qwen-VL model")
+    if getattr(original, "vlrl_shared", False):
+        return
+
+    @functools.wraps(original)
+    def get_image_features(pixel_values, image_grid_thw=None, **kwargs):
+        index = kwargs.pop(IMAGE_INDEX_KWARG, None)
+        output = original(pixel_values, image_grid_thw, **kwargs)
+        if index is not None:
+            output.pooler_output = _select(output.pooler_output, index)
+            deepstack = getattr(output, "deepstack_features", None)
+            if deepstack is not None:
+                output.deepstack_features = [_select(layer, index) for layer in deepstack]
+        return output
+
+    get_image_features.vlrl_shared = True  # type: ignore[attr-defined]
+    inner.get_image_features = get_image_features
