@@ -64,3 +64,20 @@ def test_rejects_empty_answers(warmed):
     model_dir, val, _ = warmed
     with pytest.raises(ValueError, match="answers is empty"):
         warm_up_answer_format(model_dir, val, [], FORMAT)
+
+
+def test_text_model_learns_the_form(tmp_path):
+    """A text-only model (no processor) warms up on rows without images."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = build_tiny_model(tmp_path / "text", arch="qwen2", seed=0)
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"problem": f"Name a colour ({i})."}) + "\n" for i in range(32)))
+    stats = warm_up_answer_format(model_dir, train, COLOUR_WORDS, steps=60, seed=1)
+    assert stats["loss_last"] < 1.0
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = ChatFormatter(tokenizer, None)("Name a colour (3).")
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        probs = AutoModelForCausalLM.from_pretrained(model_dir).forward(ids).logits[0, -1].softmax(-1)
+    assert probs[[tokenizer.convert_tokens_to_ids(c) for c in COLOUR_WORDS]].sum() > 0.9

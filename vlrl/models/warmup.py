@@ -32,23 +32,28 @@ from vlrl.data.prompts import ChatFormatter, FormatPrompt
 MARKER = "warmup.json"
 
 
-def _load_model_and_processor(model_dir: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+def _load(model_dir: Path) -> tuple[Any, Any, Any | None]:
+    """(model, tokenizer, processor or None for a text-only model) in fp32."""
+    from vlrl.models.loading import load_config, model_class
+    from vlrl.models.processor import load_processor
 
-    processor = AutoProcessor.from_pretrained(model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    return model, processor
+    tokenizer, processor = load_processor(str(model_dir))
+    model = model_class(load_config(str(model_dir))).from_pretrained(model_dir, dtype=torch.float32)
+    return model, tokenizer, processor
 
 
-def _render(
-    rows: list[dict], answers: list[str], fmt: FormatPrompt | None, chat: ChatFormatter, prompt_key: str
-):
-    """Full texts (prompt + answer + end of turn) for `rows` and the answers chosen."""
-    texts = []
-    for row, answer in zip(rows, answers, strict=True):
-        content = fmt.render(row[prompt_key]) if fmt else row[prompt_key]
-        texts.append(chat(content) + answer + "<|im_end|>")
-    return texts
+def _encode(tokenizer: Any, processor: Any | None, texts: list[str], images: list[list[Any]]) -> dict:
+    """Right-padded model inputs; images only for a vision model."""
+    if processor is None:
+        if any(images):
+            raise ValueError("the rows have images but the model has no image processor (a text model)")
+        return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return processor(text=texts, images=images if any(images) else None, return_tensors="pt", padding=True)
+
+
+def _render(rows: list[dict], fmt: FormatPrompt | None, chat: ChatFormatter, prompt_key: str) -> list[str]:
+    """The prompt of each row as the trainer renders it (format prompt, then chat template)."""
+    return [chat(fmt.render(row[prompt_key]) if fmt else row[prompt_key]) for row in rows]
 
 
 def _answer_labels(
@@ -79,8 +84,10 @@ def warm_up_answer_format(
     seed: int = 0,
     prompt_key: str = "problem",
     image_key: str = "images",
+    end_of_turn: str = "<|im_end|>",
 ) -> dict[str, float]:
-    """Fit `model_dir` to answer the prompts of `train_file` (JSONL) with a random word of `answers`.
+    """Fit `model_dir` to answer the prompts of `train_file` (JSONL) with a random word of `answers`
+    followed by `end_of_turn` (the chat template's end-of-turn token; Qwen's by default).
 
     Returns {"loss_first", "loss_last", "seconds"}; the floor of the loss is about
     ln(len(answers)) / 2 (a uniform guess on the answer token, a certain end of turn).
@@ -93,12 +100,11 @@ def warm_up_answer_format(
         raise ValueError(f"{train_file} has no rows")
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model, processor = _load_model_and_processor(model_dir)
-    tokenizer = processor.tokenizer
+    model, tokenizer, processor = _load(model_dir)
     tokenizer.padding_side = "right"
     chat = ChatFormatter(tokenizer, processor)
     fmt = FormatPrompt(format_prompt) if format_prompt else None
-    targets = {a: tokenizer(a + "<|im_end|>", add_special_tokens=False).input_ids for a in answers}
+    targets = {a: tokenizer(a + end_of_turn, add_special_tokens=False).input_ids for a in answers}
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses, start = [], time.perf_counter()
     for _ in range(steps):
@@ -108,8 +114,9 @@ def warm_up_answer_format(
             [Image.open(train_file.parent / p).convert("RGB") for p in row.get(image_key) or []]
             for row in batch
         ]
-        texts = _render(batch, chosen, fmt, chat, prompt_key)
-        enc = processor(text=texts, images=images if any(images) else None, return_tensors="pt", padding=True)
+        prompts = _render(batch, fmt, chat, prompt_key)
+        texts = [p + a + end_of_turn for p, a in zip(prompts, chosen, strict=True)]
+        enc = _encode(tokenizer, processor, texts, images)
         labels = _answer_labels(enc["input_ids"], enc["attention_mask"].sum(1), [targets[a] for a in chosen])
         logits = model(**enc).logits[:, :-1]  # [B, T-1, V] predicts tokens 1..T-1
         loss = torch.nn.functional.cross_entropy(
