@@ -376,6 +376,15 @@ class PPOConfig(_Section):
         return self.worker.actor.global_batch_size * self.worker.rollout.n // self.world_size
 
     @property
+    def on_policy_update(self) -> bool:
+        """One optimizer step per generation step (ppo_epochs 1, global_batch_size = rollout_batch_size)
+        and no KL in the reward: the old policy is the current one, so the trainer skips the
+        old-log-prob pass and the update takes its own log-probs, detached, as the old ones."""
+        actor, algo = self.worker.actor, self.algorithm
+        single_step = actor.ppo_epochs == 1 and actor.global_batch_size >= self.data.rollout_batch_size
+        return single_step and (algo.disable_kl or algo.use_kl_loss)
+
+    @property
     def use_reference(self) -> bool:
         """A reference policy is needed when any KL term is on."""
         return not self.algorithm.disable_kl

@@ -49,7 +49,7 @@ def err(a: torch.Tensor, b: torch.Tensor, batch: RolloutBatch) -> float:
     return float((a - b)[batch.response_mask.bool()].abs().max())
 
 
-def train_fields(batch: RolloutBatch, log_probs: torch.Tensor) -> RolloutBatch:
+def train_fields(batch: RolloutBatch, log_probs: torch.Tensor | None) -> RolloutBatch:
     batch.old_log_probs = log_probs
     signs = torch.tensor([1.0, -1.0] * len(batch))[: len(batch)]
     batch.advantages = signs[:, None] * batch.response_mask
@@ -125,6 +125,34 @@ def check_schedule(model_dir: str, results: dict[str, Any]) -> None:
     ]
 
 
+def check_on_policy(model_dir: str, results: dict[str, Any]) -> None:
+    """One optimizer step per batch: the update without old log-probs (its own, detached, ratio 1)
+    moves the weights as with separately computed old log-probs, and fills them in."""
+    _, processor = load_processor(model_dir)
+    config = make_config(model_dir, algorithm__disable_kl=True)
+    results["on_policy/config"] = config.on_policy_update
+    after, filled = [], None
+    for given in (True, False):
+        actor = Actor(config, model_dir, processor, "cpu")
+        batch = make_batch(model_dir, SPECS, seed=12)
+        old = actor.compute_log_probs(batch, 1.0)
+        train_fields(batch, old if given else None)
+        actor.update_policy(batch)
+        after.append(actor.compute_log_probs(batch, 1.0))
+        filled = err(batch.old_log_probs, old, batch)
+    results["on_policy/filled_err"] = filled
+    results["on_policy/moved"] = err(after[0], old, batch)
+    results["on_policy/after_err"] = err(after[0], after[1], batch)
+    two_steps = make_config(model_dir, algorithm__disable_kl=True, worker__actor__global_batch_size=4)
+    actor = Actor(two_steps, model_dir, processor, "cpu")
+    batch = train_fields(make_batch(model_dir, SPECS, seed=12), None)
+    try:
+        actor.update_policy(batch)
+        results["on_policy/two_steps_error"] = ""
+    except ValueError as exc:
+        results["on_policy/two_steps_error"] = str(exc)
+
+
 def check_other_arch(model_dir: str, arch: str, out_dir: str, results: dict[str, Any]) -> None:
     """Text-only Qwen2 and Qwen3-VL: log-probs match the plain model, updates run, HF export loads."""
     tokenizer, processor = load_processor(model_dir)
@@ -180,6 +208,7 @@ def run(rank: int, world: int, port: int, models: dict[str, str], out_dir: str) 
         check_vlm(models["qwen2_5_vl"], out_dir, results)
         check_gradient_checkpointing(models["qwen2_5_vl"], results)
         check_schedule(models["qwen2_5_vl"], results)
+        check_on_policy(models["qwen2_5_vl"], results)
         check_tied_embeddings(models["qwen2_5_vl"], out_dir, results)
         for arch in ("qwen2", "qwen3_vl"):
             check_other_arch(models[arch], arch, out_dir, results)

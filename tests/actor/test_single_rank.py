@@ -62,3 +62,11 @@ def test_text_model_export_has_its_tokenizer(job):
 def test_tied_embeddings_train_and_export(job):
     assert job["tied/in_actor"] and job["tied/reloaded"]
     assert job["tied/err"] < 1e-4
+
+
+def test_on_policy_update_needs_no_old_log_probs(job):
+    assert job["on_policy/config"]  # global_batch_size = rollout_batch_size, ppo_epochs 1, no KL
+    assert job["on_policy/filled_err"] < 1e-5  # the update's own log-probs = the old pass's
+    assert job["on_policy/moved"] > 1e-3  # the update changed the policy ...
+    assert job["on_policy/after_err"] < 1e-5  # ... exactly as with the separate old pass
+    assert "needs batch.old_log_probs" in job["on_policy/two_steps_error"]

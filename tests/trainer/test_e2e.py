@@ -125,11 +125,16 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
 
 
 def test_kill_mid_step_and_resume_matches_uninterrupted_run(assets: dict[str, Path], tmp_path: Path) -> None:
+    # global_batch_size = rollout_batch_size: an on-policy update (no old-log-prob pass), unlike
+    # the two-rank test above
     common = ["trainer.n_gpus_per_node=1", "trainer.save_freq=1", "trainer.val_before_train=false",
-              "trainer.val_freq=-1", "data.val_files=''", "trainer.max_steps=4"]  # fmt: skip
+              "trainer.val_freq=-1", "data.val_files=''", "trainer.max_steps=4",
+              "worker.actor.global_batch_size=4", "worker.rollout.calculate_log_probs=true"]  # fmt: skip
     reference = tmp_path / "uninterrupted"
     _run(_args(assets, reference, *common))
     expected = _metrics(reference)
+    assert "timing/old_ref" not in expected[1]
+    assert expected[1]["rollout/log_prob_diff_mean"] < 0.05  # the update's log-probs vs the engine's
 
     killed = tmp_path / "killed"
     proc = _start(_args(assets, killed, *common), tmp_path / "killed.log")

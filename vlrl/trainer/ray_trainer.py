@@ -119,13 +119,17 @@ class RayPPOTrainer:
             batch, reward_metrics = self._generate_scored_batch(prompts, timer)
             metrics.update(reward_metrics)
             # 3. old and reference log-probs, on token-balanced shards
-            with timer("old_ref"):
-                shards = balanced_shards(batch, world)
-                results = self.ranks.call("compute_log_probs", [batch.select(i) for i in shards])
-                n = len(batch)
-                batch.old_log_probs = gather_rows(shards, [old for old, _ in results], n)
-                if results[0][1] is not None:
-                    batch.ref_log_probs = gather_rows(shards, [ref for _, ref in results], n)
+            # (on-policy: no old pass, the update's own log-probs are the old ones; only the reference)
+            n, on_policy = len(batch), self.config.on_policy_update
+            if not on_policy or self.config.use_reference:
+                with timer("old_ref"):
+                    shards = balanced_shards(batch, world)
+                    shard_batches = [batch.select(i) for i in shards]
+                    results = self.ranks.call("compute_log_probs", shard_batches, with_old=not on_policy)
+                    if not on_policy:
+                        batch.old_log_probs = gather_rows(shards, [old for old, _ in results], n)
+                    if results[0][1] is not None:
+                        batch.ref_log_probs = gather_rows(shards, [ref for _, ref in results], n)
             # 4. KL penalty in the reward (GRPO instead puts KL in the loss: algorithm.use_kl_loss)
             with timer("adv"):
                 batch.token_level_rewards = batch.token_level_scores
@@ -145,8 +149,9 @@ class RayPPOTrainer:
             # 6. actor update, then weight sync to the engines
             with timer("update"):
                 shards = balanced_shards(batch, world)
-                update_metrics = self.ranks.call("update", [batch.select(i) for i in shards])
-            metrics.update(_mean_over_ranks(update_metrics))
+                results = self.ranks.call("update", [batch.select(i) for i in shards])
+                batch.old_log_probs = gather_rows(shards, [old for _, old in results], n)
+            metrics.update(_mean_over_ranks([m for m, _ in results]))
         metrics.update(batch_metrics(batch, self.config.data.max_response_length))
         metrics.update(timer.metrics())
         metrics.update(throughput_metrics(batch, timer.seconds["step"], world))

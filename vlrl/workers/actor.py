@@ -144,10 +144,18 @@ class Actor(ShardedModel):
 
     # ----------------------------------------------------------------------------- update
     def update_policy(self, batch: RolloutBatch) -> dict[str, float]:
-        """`ppo_epochs` passes of mini-batch updates over this rank's rows; returns mean metrics."""
-        for name in ("old_log_probs", "advantages"):
-            if getattr(batch, name) is None:
-                raise ValueError(f"update_policy needs batch.{name}")
+        """`ppo_epochs` passes of mini-batch updates over this rank's rows; returns mean metrics.
+
+        Without `batch.old_log_probs` (allowed when `config.on_policy_update`: one optimizer step),
+        the update's own log-probs, detached, are the old ones, and it fills `batch.old_log_probs`.
+        """
+        if batch.advantages is None:
+            raise ValueError("update_policy needs batch.advantages")
+        on_policy = batch.old_log_probs is None
+        if on_policy and not self.config.on_policy_update:
+            raise ValueError(
+                "update_policy needs batch.old_log_probs: the update takes more than one optimizer step"
+            )
         if self.config.algorithm.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("algorithm.use_kl_loss=true needs batch.ref_log_probs")
         self._check_schedule()
@@ -161,9 +169,15 @@ class Actor(ShardedModel):
         count = int(self._all_reduce([len(minis)], dist.ReduceOp.MAX)[0])
         minis += [[] for _ in range(count - len(minis))]
         start = time.perf_counter()
+        if on_policy:
+            if len(minis) != 1:
+                raise ValueError(f"an on-policy update takes one mini-batch, this batch makes {len(minis)}")
+            batch.old_log_probs = torch.zeros(batch.responses.shape, dtype=torch.float32)
         for _ in range(self.cfg.ppo_epochs):
             for rows in minis:
-                self.forward_backward(batch.select(rows), stats, image_anchor)
+                log_probs = self.forward_backward(batch.select(rows), stats, image_anchor, on_policy)
+                if on_policy and rows:
+                    batch.old_log_probs[rows] = log_probs
                 self.optimizer_step(stats)
         seconds = time.perf_counter() - start
         if self.offload_optimizer:
@@ -181,9 +195,15 @@ class Actor(ShardedModel):
         tokens_per_s, mfu = self._all_reduce([epochs * sum(lengths) / seconds, flops / seconds / peak])
         return {"perf/actor_tokens_per_s": tokens_per_s, "perf/actor_mfu": mfu / self.world_size}
 
-    def forward_backward(self, mini: RolloutBatch, stats: _UpdateStats, image_anchor: bool) -> None:
-        """Accumulate the gradient of one mini-batch's loss (summed over ranks) into `.grad`."""
+    def forward_backward(
+        self, mini: RolloutBatch, stats: _UpdateStats, image_anchor: bool, on_policy: bool = False
+    ) -> torch.Tensor:
+        """Accumulate the gradient of one mini-batch's loss (summed over ranks) into `.grad`.
+
+        Returns the log-probs [len(mini), R] it computed (detached, CPU). `on_policy`: they are also
+        the old log-probs (the ratio is exactly 1; `mini.old_log_probs` is not read)."""
         cfg, algo, dev = self.cfg, self.config.algorithm, self.device
+        computed = torch.zeros(mini.responses.shape, dtype=torch.float32)
         num_tokens, num_seqs = self._all_reduce(list(count_tokens_and_seqs(mini.response_mask)))
         agg = {"loss_avg_mode": cfg.loss_avg_mode, "num_tokens": num_tokens, "num_seqs": num_seqs}
         temperature = self.config.worker.rollout.temperature
@@ -193,9 +213,12 @@ class Actor(ShardedModel):
                 mb, temperature, image_anchor, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0
             )
             mask = mb.response_mask.to(dev)
+            if rows:
+                computed[rows] = out.log_probs.detach().cpu()
+            old = out.log_probs.detach() if on_policy else mb.old_log_probs.to(dev)
             pg, metrics = compute_policy_loss(
                 cfg.policy_loss,
-                mb.old_log_probs.to(dev),
+                old,
                 out.log_probs,
                 mb.advantages.to(dev),
                 mask,
@@ -217,6 +240,7 @@ class Actor(ShardedModel):
             tokens = int(mask.sum())
             entropy = float((out.entropy.detach() * mask).sum() / max(tokens, 1))
             stats.add_micro(metrics, entropy, tokens, float(pg.detach()), float(kl.detach()))
+        return computed
 
     def optimizer_step(self, stats: _UpdateStats) -> None:
         """Clip, step (or skip a non-finite step) and advance the LR schedule."""

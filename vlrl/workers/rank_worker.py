@@ -62,18 +62,23 @@ class RankWorker:
         self.rollout.sleep()
         return batch
 
-    def compute_log_probs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Old-policy and (when KL is on) reference log-probs of the responses: ([N, R], [N, R] | None)."""
+    def compute_log_probs(
+        self, batch: RolloutBatch, with_old: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Old-policy (unless not `with_old`) and (when KL is on) reference log-probs: [N, R] or None."""
         temperature = self.config.worker.rollout.temperature
-        old = self.actor.compute_log_probs(batch, temperature)
+        old = self.actor.compute_log_probs(batch, temperature) if with_old else None
         ref = self.reference.compute_log_probs(batch, temperature) if self.reference is not None else None
         return old, ref
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """One PPO update on this rank's shard, then push the new weights to the engine."""
+    def update(self, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor]:
+        """One PPO update on this rank's shard, then push the new weights to the engine.
+
+        Returns the metrics and the old log-probs [N, R] (computed by the update itself when the
+        batch came without them: `config.on_policy_update`)."""
         metrics = self.actor.update_policy(batch)
         metrics.update(self.sync_weights())
-        return metrics
+        return metrics, batch.old_log_probs
 
     def sync_weights(self) -> dict[str, float]:
         from vlrl.rollout import sync_weights
