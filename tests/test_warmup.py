@@ -60,10 +60,12 @@ def test_answers_in_form_at_chance_accuracy(warmed):
     assert json.loads((model_dir / MARKER).read_text())["answers"] == COLOUR_WORDS
 
 
-def test_rejects_empty_answers(warmed):
+def test_rejects_empty_answers_and_missing_keys(warmed):
     model_dir, val, _ = warmed
     with pytest.raises(ValueError, match="answers is empty"):
         warm_up_answer_format(model_dir, val, [], FORMAT)
+    with pytest.raises(ValueError, match=r"row 0 has no 'question' key"):
+        warm_up_answer_format(model_dir, val, COLOUR_WORDS, FORMAT, prompt_key="question")
 
 
 def test_text_model_learns_the_form(tmp_path):

@@ -98,6 +98,9 @@ def warm_up_answer_format(
     rows = [json.loads(line) for line in train_file.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not rows:
         raise ValueError(f"{train_file} has no rows")
+    missing = next((i for i, row in enumerate(rows) if prompt_key not in row), None)
+    if missing is not None:
+        raise ValueError(f"{train_file} row {missing} has no {prompt_key!r} key: set prompt_key")
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model, tokenizer, processor = _load(model_dir)
