@@ -150,7 +150,8 @@ class RayPPOTrainer:
             with timer("update"):
                 shards = balanced_shards(batch, world)
                 results = self.ranks.call("update", [batch.select(i) for i in shards])
-                batch.old_log_probs = gather_rows(shards, [old for _, old in results], n)
+                if on_policy:  # the update computed them (for the rollout/log_prob_diff metrics)
+                    batch.old_log_probs = gather_rows(shards, [old for _, old in results], n)
             metrics.update(_mean_over_ranks([m for m, _ in results]))
         metrics.update(batch_metrics(batch, self.config.data.max_response_length))
         metrics.update(timer.metrics())
