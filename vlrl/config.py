@@ -269,8 +269,14 @@ class RolloutConfig(_Section):
     """Tokens per engine scheduler step."""
     max_num_seqs: int = 256
     """Sequences per engine scheduler step."""
-    calculate_log_probs: bool = False
-    """Return the engine's sampled-token log-probs (logged against the actor's for drift checks)."""
+    calculate_log_probs: bool = True
+    """Return the engine's sampled-token log-probs: every step then logs `rollout/log_prob_diff_*`
+    (engine vs actor on the same tokens) and warns on drift. (EasyR1's default is false; the cost
+    is one log-softmax per decoding step.)"""
+    log_prob_diff_warn: float = 0.05
+    """Warn when the mean |engine - actor| log-prob of a step exceeds this (nats per token): the
+    actor is then not scoring the policy that sampled (stale weights, a different distribution).
+    bf16 engines typically differ by ~0.01."""
     sync_bucket_mb: int = 256
     """Weight-sync bucket size in MiB: bounds the extra memory of one sync."""
     val_override_config: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.5, "n": 1})

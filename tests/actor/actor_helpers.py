@@ -18,6 +18,7 @@ from transformers import AutoConfig
 from vlrl.config import PPOConfig
 from vlrl.models.processor import load_processor, model_family
 from vlrl.models.rope import continue_position_ids, left_pad_position_ids, mrope_position_ids
+from vlrl.models.sampling import SamplingDistribution, banned_token_ids
 from vlrl.protocol import RolloutBatch
 
 WORDS = (
@@ -114,6 +115,14 @@ def make_batch(
         prompts=["p"] * n,
         ground_truths=[None] * n,
         extras=[{} for _ in range(n)],
+    )
+
+
+def sampling_for(model_dir: str, temperature: float = 1.0) -> SamplingDistribution:
+    """The engines' sampling distribution for the model in `model_dir` (what the actor scores)."""
+    tokenizer, _ = load_processor(model_dir)
+    return SamplingDistribution(
+        temperature, tuple(banned_token_ids(tokenizer, AutoConfig.from_pretrained(model_dir)))
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from actor_helpers import init_gloo, make_batch, make_config
+from actor_helpers import init_gloo, make_batch, make_config, sampling_for
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
@@ -66,7 +66,7 @@ def reference_gradients(model_dir: str, batch: RolloutBatch, config, mode: str) 
         pixel_values=pv,
         image_grid_thw=grid,
     )
-    out = forward_log_probs(model, inputs, TEMPERATURE)
+    out = forward_log_probs(model, inputs, sampling_for(model_dir, TEMPERATURE))
     tokens, seqs = count_tokens_and_seqs(batch.response_mask)
     agg = {"loss_avg_mode": mode, "num_tokens": tokens, "num_seqs": seqs}
     actor = config.worker.actor
@@ -123,7 +123,7 @@ def check_mixed_ranks(actor: Actor, model_dir: str, rank: int, results: dict) ->
         image_grid_thw=grid,
     )
     with torch.no_grad():
-        expected = forward_log_probs(model, inputs, TEMPERATURE).log_probs
+        expected = forward_log_probs(model, inputs, sampling_for(model_dir, TEMPERATURE)).log_probs
     mask = batch.response_mask.bool()
     results["mixed_logp_err"] = float((logp - expected)[mask].abs().max())
     batch.old_log_probs, batch.ref_log_probs = logp, logp

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from actor_helpers import init_gloo, make_batch, make_config
+from actor_helpers import init_gloo, make_batch, make_config, sampling_for
 
 from vlrl.models.loading import load_model
 from vlrl.models.packing import build_padded_inputs, forward_log_probs
@@ -42,7 +42,7 @@ def plain_log_probs(model_dir: str, batch: RolloutBatch, model=None) -> torch.Te
         image_grid_thw=grid,
     )
     with torch.no_grad():
-        return forward_log_probs(model, inputs).log_probs
+        return forward_log_probs(model, inputs, sampling_for(model_dir)).log_probs
 
 
 def err(a: torch.Tensor, b: torch.Tensor, batch: RolloutBatch) -> float:

@@ -135,3 +135,50 @@ def greedy_hf_batch(
 def greedy_hf(model_dir: str, model: torch.nn.Module, prompts: PromptBatch, max_tokens: int) -> torch.Tensor:
     """transformers' greedy responses ([B, R]) for `prompts`."""
     return greedy_hf_batch(model_dir, model, prompts, max_tokens).responses
+
+
+def save_model(model: torch.nn.Module, source_dir: str, out_dir: str) -> str:
+    """`model` saved as a model folder, with the tokenizer/processor of `source_dir`."""
+    from vlrl.models.processor import load_processor
+
+    tokenizer, processor = load_processor(source_dir)
+    model.save_pretrained(out_dir)
+    (processor or tokenizer).save_pretrained(out_dir)
+    return out_dir
+
+
+def one_rank_actor(model_dir: str, temperature: float) -> Any:
+    """An `Actor` (FSDP2 over the current one-rank world, fp32 on CPU) for `model_dir`."""
+    from vlrl.config import PPOConfig
+    from vlrl.models.processor import load_processor
+    from vlrl.workers.actor import Actor
+
+    config = PPOConfig()
+    config.worker.actor.model.model_path = model_dir
+    config.worker.actor.model.enable_gradient_checkpointing = False
+    config.worker.rollout.temperature = temperature
+    config.trainer.device = "cpu"
+    config.data.max_prompt_length, config.data.max_response_length = 256, 12
+    config.derive()
+    return Actor(config, model_dir, load_processor(model_dir)[1], "cpu")
+
+
+@torch.no_grad()
+def masked_entropy(
+    model: torch.nn.Module, model_dir: str, batch: RolloutBatch, banned: list[int], temperature: float
+) -> torch.Tensor:
+    """[N, R] entropy of softmax(logits with `banned` at -inf / T) from a plain padded forward."""
+    from vlrl.models.packing import build_padded_inputs
+    from vlrl.models.processor import load_processor
+    from vlrl.workers.vision import VisionCache
+
+    pv = grid = None
+    if any(batch.images):
+        pv, grid = VisionCache(load_processor(model_dir)[1].image_processor).collate(batch.images)
+    args = (batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_length)
+    inputs = build_padded_inputs(*args, pixel_values=pv, image_grid_thw=grid)
+    logits = model(**inputs.model_kwargs, use_cache=False).logits[inputs.rows, inputs.cols].double()
+    logits[:, banned] = float("-inf")
+    entropy = torch.zeros(batch.responses.shape, dtype=torch.float64)
+    entropy[inputs.rows, inputs.cols] = torch.distributions.Categorical(logits=logits / temperature).entropy()
+    return entropy

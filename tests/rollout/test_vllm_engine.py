@@ -16,9 +16,12 @@ from rollout_helpers import (
     init_world,
     load_hf_model,
     make_token_argmax,
+    masked_entropy,
+    one_rank_actor,
     perturb,
     prompt_batch,
     rollout_config,
+    save_model,
 )
 
 from vlrl.models.processor import load_processor
@@ -183,3 +186,39 @@ def test_greedy_with_several_samples(vl):
     out = vl.engine.generate(vl.prompts, {"temperature": 0.0, "n": 2})
     assert len(out) == 6 and all(out.responses[i].equal(out.responses[i + 1]) for i in range(0, 6, 2))
     assert out.responses[::2].equal(vl.engine.generate(vl.prompts, GREEDY).responses)
+
+
+def test_actor_scores_what_the_engines_sample(vl, tmp_path):
+    """A banned token holds the largest logit everywhere: the actor's log-probs and entropy are those
+    of the distribution the vLLM and HF engines sample from (ban + temperature), not the raw one."""
+    synced(vl)
+    vision_start = vl.engine.hf_config.vision_start_token_id
+    model = copy.deepcopy(vl.base)
+    make_token_argmax(model, vision_start)
+    folder = save_model(model, vl.path, str(tmp_path / "banned_argmax"))
+    temperature, settings = 0.7, {"seed": 4, "temperature": 0.7}
+    tokenizer, processor = load_processor(folder)
+    hf_engine = create_rollout_engine(
+        rollout_config(name="hf", calculate_log_probs=True), data_config(), folder, tokenizer, processor
+    )
+    sync_weights(model, vl.engine, bucket_mb=64)
+    try:
+        actor = one_rank_actor(folder, temperature)
+        assert (
+            actor.banned_token_ids == tuple(vl.engine.banned_token_ids) == tuple(hf_engine.banned_token_ids)
+        )
+        for engine in (vl.engine, hf_engine):
+            batch = engine.generate(vl.prompts, settings)
+            mask = batch.response_mask.bool()
+            actor_log_probs = actor.compute_log_probs(batch, temperature)
+            torch.testing.assert_close(
+                actor_log_probs[mask], batch.rollout_log_probs[mask], atol=2e-4, rtol=0
+            )
+            out = actor.forward_micro_batch(batch, temperature, image_anchor=True, with_entropy=True)
+            expected = masked_entropy(model, folder, batch, vl.engine.banned_token_ids, temperature)
+            torch.testing.assert_close(out.entropy[mask].double(), expected[mask], atol=2e-4, rtol=0)
+            # the raw (unbanned) distribution is far from it: the check can tell them apart
+            raw = masked_entropy(model, folder, batch, [], temperature)
+            assert (raw - expected)[mask].abs().min() > 0.1
+    finally:
+        sync_weights(vl.base, vl.engine, bucket_mb=64)

@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from vlrl.models.attention import make_varlen_info
+from vlrl.models.sampling import SamplingDistribution
 from vlrl.models.shared_images import IMAGE_INDEX_KWARG
 
 LOGIT_CHUNK = 2048  # rows of logits upcast to fp32 at a time: bounds the [M, V] fp32 temporaries
@@ -167,31 +169,46 @@ def build_padded_inputs(
     return ForwardInputs(kwargs, rows, cols, targets, n, response_length, anchor is not None, padded=True)
 
 
-def token_log_probs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(logits / temperature)[target] per row: logits [M, V], targets [M] -> [M] fp32.
+def _score_chunk(
+    logits: Tensor, targets: Tensor, sampling: SamplingDistribution, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """log pi(target) [m] and the entropy of pi [m] (or None) for logits [m, V], all fp32."""
+    z = sampling.scores(logits)  # [m, V] fp32: the only full-size temporary
+    lse = torch.logsumexp(z, dim=-1)  # [m]
+    log_probs = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    # H = lse - sum_v p_v z_v  (banned columns: p_v = 0 and z_v finite, so they add exactly 0)
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
+    return log_probs, entropy
 
-    Uses target logit - logsumexp, in chunks of rows, so no fp32 [M, V] log-softmax is ever
-    materialized (only one chunk's upcast copy when the logits are bf16).
+
+def score_tokens(
+    logits: Tensor,
+    targets: Tensor,
+    sampling: SamplingDistribution,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs [M] (and entropies [M]) of `targets` under `sampling` applied to logits [M, V].
+
+    Works in chunks of LOGIT_CHUNK rows. With autograd, each chunk is checkpointed: only the
+    (already live) logits are saved and the chunk's fp32 temporaries are recomputed in backward,
+    so peak extra memory is one chunk's [LOGIT_CHUNK, V] fp32 copies, whatever M is. The entropy
+    carries gradients only with `entropy_grad` (an entropy bonus in the loss).
     """
-    out = []
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    log_probs, entropies = [], []
     for chunk, tgt in zip(logits.split(LOGIT_CHUNK), targets.split(LOGIT_CHUNK)):
-        chunk = chunk.float()
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        out.append(chunk.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(chunk, dim=-1))
-    return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
-
-
-def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy of softmax(logits / temperature) per row: [M, V] -> [M] fp32, chunked like above."""
-    out = []
-    for chunk in logits.split(LOGIT_CHUNK):
-        chunk = chunk.float()
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        lse = torch.logsumexp(chunk, dim=-1)  # H = lse - sum_v p_v * logit_v
-        out.append(lse - (torch.softmax(chunk, dim=-1) * chunk).sum(-1))
-    return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
+        if grad:
+            lp, ent = checkpoint(_score_chunk, chunk, tgt, sampling, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _score_chunk(chunk, tgt, sampling, with_entropy)
+        log_probs.append(lp)
+        if ent is not None:
+            entropies.append(ent if entropy_grad else ent.detach())
+    empty = logits.new_zeros(0, dtype=torch.float32)
+    log_prob = torch.cat(log_probs) if log_probs else empty
+    entropy = (torch.cat(entropies) if entropies else empty) if with_entropy else None
+    return log_prob, entropy
 
 
 @dataclass
@@ -204,13 +221,14 @@ class LogProbOutput:
 def forward_log_probs(
     model: torch.nn.Module,
     inputs: ForwardInputs,
-    temperature: float = 1.0,
+    sampling: SamplingDistribution = SamplingDistribution(),
     with_entropy: bool = False,
     entropy_grad: bool = False,
 ) -> LogProbOutput:
     """Run `model` on `inputs` and return the response log-probs (and entropy) as [N, R].
 
-    The entropy is computed without autograd unless `entropy_grad` (an entropy bonus in the loss).
+    Both are taken on `sampling`, the distribution the engine sampled from (vlrl.models.sampling).
+    The entropy carries gradients only with `entropy_grad` (an entropy bonus in the loss).
     """
     logits = model(**inputs.model_kwargs, use_cache=False).logits
     if inputs.padded:  # [N(+1), R+1, V]: column j scores response column j
@@ -219,16 +237,15 @@ def forward_log_probs(
     else:  # [1, M(+1), V]
         m = inputs.rows.numel()
         scored, extra = logits[0, :m], logits[0, m:]
-    # Zero times a real output keeps the anchor (and an empty micro-batch) in the autograd graph.
-    anchor = 0.0 * (extra.float().sum() + scored.float().sum())
+    # Zero times the anchor's logits keeps it in the autograd graph (an empty micro-batch always has
+    # an anchor, or an empty slice of the logits). Reduced in fp32 inside the kernel: an fp32 copy
+    # would cost 4 bytes per logit (~5 GB at 8k tokens x 152k vocab).
+    anchor = 0.0 * extra.sum(dtype=torch.float32)
+    log_prob, entropy_flat = score_tokens(scored, inputs.targets, sampling, with_entropy, entropy_grad)
     shape = (inputs.num_rows, inputs.response_length)
-    log_probs = torch.zeros(shape, dtype=torch.float32, device=logits.device)
-    log_probs = log_probs.index_put(
-        (inputs.rows, inputs.cols), token_log_probs(scored, inputs.targets, temperature)
-    )
+    index = (inputs.rows, inputs.cols)
+    log_probs = torch.zeros(shape, dtype=torch.float32, device=logits.device).index_put(index, log_prob)
     entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = torch.zeros(shape, dtype=torch.float32, device=logits.device)
-            entropy = entropy.index_put((inputs.rows, inputs.cols), token_entropy(scored, temperature))
+    if entropy_flat is not None:
+        entropy = torch.zeros(shape, dtype=torch.float32, device=logits.device).index_put(index, entropy_flat)
     return LogProbOutput(log_probs, entropy, anchor)

@@ -18,13 +18,10 @@ from typing import Any
 import torch
 
 from vlrl.config_checks import SAMPLING_KEYS  # one list of override keys for config checks and engines
+from vlrl.models.sampling import VISION_TOKENS, banned_token_ids  # noqa: F401 (engines' ban list)
 from vlrl.protocol import PromptBatch, RolloutBatch
 from vlrl.rollout.weight_sync import SyncStats, bucketize
 
-# Tokens that only the processor may place (image/video placeholders and their brackets): a sampled
-# one would make the sequence unreadable for the vision pipeline, so engines never generate them.
-VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
-_VISION_ID_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 DEFAULT_LIMIT_IMAGES = 4  # images per prompt when neither the config nor the trainer says
 
 
@@ -106,20 +103,6 @@ def pad_token_id(tokenizer: Any) -> int:
     """The pad id used for right-padding responses (the tokenizer's pad, else its EOS)."""
     pad = getattr(tokenizer, "pad_token_id", None)
     return int(pad if pad is not None else tokenizer.eos_token_id)
-
-
-def banned_token_ids(tokenizer: Any, hf_config: Any | None = None) -> list[int]:
-    """Vision placeholder/bracket ids that must never be sampled (from the config, else the vocabulary)."""
-    ids: set[int] = set()
-    for key in _VISION_ID_KEYS:
-        value = getattr(hf_config, key, None) if hf_config is not None else None
-        if value is None and getattr(hf_config, "text_config", None) is not None:
-            value = getattr(hf_config.text_config, key, None)
-        if value is not None:
-            ids.add(int(value))
-    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    ids.update(int(vocab[token]) for token in VISION_TOKENS if token in vocab)
-    return sorted(ids)
 
 
 def resolve_limit_images(config: Any, limit_images: int | None) -> int:

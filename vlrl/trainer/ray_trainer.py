@@ -12,6 +12,7 @@ One step, top to bottom (see `train_step`):
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -27,6 +28,7 @@ from vlrl.algorithms import (
     filter_groups,
 )
 from vlrl.config import PPOConfig
+from vlrl.models.sampling import truncation_warning
 from vlrl.protocol import PromptBatch, RolloutBatch
 from vlrl.rewards import RewardRunner, build_reward_inputs, scores_to_token_level
 from vlrl.trainer.checkpoint import CheckpointManager, read_state
@@ -35,6 +37,8 @@ from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, 
 from vlrl.trainer.loggers import Tracker
 from vlrl.trainer.metrics import PhaseTimer, batch_metrics, mean_reward_parts, throughput_metrics
 from vlrl.trainer.ray_workers import RankGroup, start_ray
+
+logger = logging.getLogger(__name__)
 
 
 class RayPPOTrainer:
@@ -56,6 +60,10 @@ class RayPPOTrainer:
         self.global_step = 0
         self.total_steps = self._total_steps()
         self.history: list[dict[str, float]] = []  # per-step metrics, for the summary and the plot
+        self.drift_steps = 0  # steps whose engine/actor log-prob gap exceeded log_prob_diff_warn
+        warning = truncation_warning(config.worker.rollout.top_p, config.worker.rollout.top_k)
+        if warning:
+            logger.warning(warning)
         start_ray(config)
         self.ranks = RankGroup(config)
         self.ranks.call_all("setup", self.data.max_images_per_prompt, self._optimizer_steps())
@@ -154,10 +162,27 @@ class RayPPOTrainer:
                     batch.old_log_probs = gather_rows(shards, [old for _, old in results], n)
             metrics.update(_mean_over_ranks([m for m, _ in results]))
         metrics.update(batch_metrics(batch, self.config.data.max_response_length))
+        metrics.update(self._check_drift(metrics))
         metrics.update(timer.metrics())
         metrics.update(throughput_metrics(batch, timer.seconds["step"], world))
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
+
+    def _check_drift(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Warn when the engine's log-probs and the actor's disagree (see log_prob_diff_warn)."""
+        drift = metrics.get("rollout/log_prob_diff_mean")
+        if drift is None:
+            return {}
+        limit = self.config.worker.rollout.log_prob_diff_warn
+        if drift > limit:
+            self.drift_steps += 1
+            logger.warning(
+                "step %d: engine and actor log-probs differ by %.4f nats per token on average (max %.3f), "
+                "above worker.rollout.log_prob_diff_warn=%g: the actor is not scoring the policy that "
+                "sampled (stale weights or a different sampling distribution)",
+                self.global_step, drift, metrics["rollout/log_prob_diff_max"], limit,
+            )  # fmt: skip
+        return {"rollout/log_prob_drift_steps": float(self.drift_steps)}
 
     # ------------------------------------------------------------------------ generation
     def _generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch:

@@ -313,17 +313,8 @@ class Actor(ShardedModel):
                 model = model_class(config).from_config(config)
             model.load_state_dict(state, assign=True, strict=True)
             model.save_pretrained(path)
-            self._tokenizer_or_processor().save_pretrained(path)
+            self.tokenizer_or_processor().save_pretrained(path)
         dist.barrier()
-
-    def _tokenizer_or_processor(self) -> Any:
-        """The processor given at construction, else the tokenizer of the model folder."""
-        if self.processor is not None:
-            return self.processor
-        from vlrl.models.processor import load_processor
-
-        model = self.cfg.model
-        return load_processor(model.tokenizer_path or self.model_path)[0]
 
 
 def _rng_state() -> dict[str, Any]:

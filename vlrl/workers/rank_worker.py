@@ -52,6 +52,12 @@ class RankWorker:
             self.config.worker.rollout, self.config.data, model.model_path, tokenizer, processor,
             limit_images=limit_images,
         )  # fmt: skip
+        if tuple(self.rollout.banned_token_ids) != self.actor.banned_token_ids:
+            raise RuntimeError(
+                f"the rollout engine bans tokens {self.rollout.banned_token_ids} but the actor scores a "
+                f"distribution without {self.actor.banned_token_ids}: they must sample and score the same "
+                "policy (vlrl.models.sampling); check worker.actor.model.tokenizer_path"
+            )
         return self.sync_weights()
 
     # ------------------------------------------------------------------------- step phases
@@ -95,7 +101,7 @@ class RankWorker:
         self.actor.save_checkpoint(path)
         if self.rank == 0:
             self.actor.hf_config.save_pretrained(os.path.join(path, "hf_config"))
-            self.actor._tokenizer_or_processor().save_pretrained(os.path.join(path, "hf_config"))
+            self.actor.tokenizer_or_processor().save_pretrained(os.path.join(path, "hf_config"))
 
     def load_checkpoint(self, path: str) -> dict[str, float]:
         self.actor.load_checkpoint(path)

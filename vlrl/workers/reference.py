@@ -19,6 +19,7 @@ from torch import Tensor
 from vlrl.config import FSDPConfig, ModelConfig, PPOConfig
 from vlrl.models.loading import is_vision_model, load_model
 from vlrl.models.packing import LogProbOutput, build_packed_inputs, build_padded_inputs, forward_log_probs
+from vlrl.models.sampling import SamplingDistribution, banned_token_ids
 from vlrl.protocol import RolloutBatch
 from vlrl.workers.balance import count_micro_batches, micro_batches_by_tokens
 from vlrl.workers.fsdp import apply_fsdp, broadcast_weights_from_rank0, master_dtype, move_params, world_info
@@ -75,6 +76,22 @@ class ShardedModel:
         if pad_id is None:
             pad_id = getattr(getattr(self.hf_config, "text_config", None), "pad_token_id", None) or 0
         self.text_anchor = text_anchor(pad_id, self.mrope, self.device)
+        # the engines' ban list (same function, same tokenizer and config): log-probs and entropy
+        # are taken on the distribution that was sampled from (vlrl.models.sampling)
+        self.banned_token_ids = tuple(banned_token_ids(self.tokenizer_or_processor(), self.hf_config))
+
+    def sampling(self, temperature: float) -> SamplingDistribution:
+        """The engines' sampling distribution at `temperature` (the rollout's)."""
+        return SamplingDistribution(temperature, self.banned_token_ids)
+
+    def tokenizer_or_processor(self) -> Any:
+        """The processor given at construction, else the tokenizer of the model folder."""
+        if self.processor is not None:
+            return self.processor
+        from vlrl.models.processor import load_processor
+
+        tokenizer_path = self.config.worker.actor.model.tokenizer_path or self.model_path
+        return load_processor(tokenizer_path)[0]
 
     # ------------------------------------------------------------------------------ building
     def _build(
@@ -162,11 +179,13 @@ class ShardedModel:
             inputs = build_packed_inputs(*args, **kwargs, attention_backend=self.attention_backend)
         else:
             inputs = build_padded_inputs(*args, **kwargs)
-        return forward_log_probs(self.module, inputs, temperature, with_entropy, entropy_grad)
+        return forward_log_probs(self.module, inputs, self.sampling(temperature), with_entropy, entropy_grad)
 
     @torch.no_grad()
     def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
-        """Log-probs [N, R] (fp32, CPU) of `batch.responses` under this model; 0 on padding."""
+        """Log-probs [N, R] (fp32, CPU) of `batch.responses` under this model; 0 on padding.
+
+        Taken on the sampling distribution at `temperature` (banned tokens removed)."""
         self.module.eval()
         image_anchor = self.any_rank_has_images(batch)
         out = torch.zeros(batch.responses.shape, dtype=torch.float32)
