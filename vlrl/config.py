@@ -217,6 +217,11 @@ class ActorConfig(_Section):
     """Token budget per micro-batch with dynamic batching; default: 2 x (prompt + response length)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (0 disables the extra pass)."""
+    skip_steps_without_advantage: bool = False
+    """Skip the optimizer step of a mini-batch whose advantages are all 0 on every rank (every
+    group's rewards equal): its gradient then holds only the entropy/KL terms, which Adam rescales
+    to a full-size step, and its second moments decay. The LR schedule still advances; counted as
+    `actor/no_advantage_steps`."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -153,6 +153,29 @@ def check_on_policy(model_dir: str, results: dict[str, Any]) -> None:
         results["on_policy/two_steps_error"] = str(exc)
 
 
+def check_no_advantage_guard(model_dir: str, results: dict[str, Any]) -> None:
+    """All advantages 0 with an entropy bonus: the guard skips the step (weights and Adam state
+    unchanged, LR schedule advanced); without it the entropy gradient alone moves the weights."""
+    _, processor = load_processor(model_dir)
+    for guard in (True, False):
+        config = make_config(
+            model_dir, worker__actor__entropy_coeff=0.01, worker__actor__skip_steps_without_advantage=guard
+        )
+        actor = Actor(config, model_dir, processor, "cpu")
+        batch = make_batch(model_dir, SPECS, seed=13)
+        train_fields(batch, actor.compute_log_probs(batch, 1.0))
+        batch.advantages = torch.zeros_like(batch.advantages)
+        before = actor.compute_log_probs(batch, 1.0)
+        metrics = actor.update_policy(batch)
+        results[f"guard/{guard}/moved"] = err(actor.compute_log_probs(batch, 1.0), before, batch)
+        results[f"guard/{guard}/no_advantage_steps"] = metrics["actor/no_advantage_steps"]
+        results[f"guard/{guard}/optimizer_state"] = len(actor.optimizer.state)
+        results[f"guard/{guard}/global_step"] = actor.global_step
+        batch.advantages[0] = batch.response_mask[0]  # one token of signal: a normal step again
+        actor.update_policy(batch)
+        results[f"guard/{guard}/signal_moved"] = err(actor.compute_log_probs(batch, 1.0), before, batch)
+
+
 def check_other_arch(model_dir: str, arch: str, out_dir: str, results: dict[str, Any]) -> None:
     """Text-only Qwen2 and Qwen3-VL: log-probs match the plain model, updates run, HF export loads."""
     tokenizer, processor = load_processor(model_dir)
@@ -209,6 +232,7 @@ def run(rank: int, world: int, port: int, models: dict[str, str], out_dir: str) 
         check_gradient_checkpointing(models["qwen2_5_vl"], results)
         check_schedule(models["qwen2_5_vl"], results)
         check_on_policy(models["qwen2_5_vl"], results)
+        check_no_advantage_guard(models["qwen2_5_vl"], results)
         check_tied_embeddings(models["qwen2_5_vl"], out_dir, results)
         for arch in ("qwen2", "qwen3_vl"):
             check_other_arch(models[arch], arch, out_dir, results)

@@ -70,3 +70,10 @@ def test_on_policy_update_needs_no_old_log_probs(job):
     assert job["on_policy/moved"] > 1e-3  # the update changed the policy ...
     assert job["on_policy/after_err"] < 1e-5  # ... exactly as with the separate old pass
     assert "needs batch.old_log_probs" in job["on_policy/two_steps_error"]
+
+
+def test_no_advantage_guard_skips_only_steps_without_signal(job):
+    assert job["guard/True/moved"] == 0 and job["guard/True/optimizer_state"] == 0
+    assert job["guard/True/no_advantage_steps"] == 1 and job["guard/True/global_step"] == 1
+    assert job["guard/True/signal_moved"] > 1e-4  # a mini-batch with signal still steps
+    assert job["guard/False/moved"] > 1e-4 and job["guard/False/no_advantage_steps"] == 0

@@ -63,6 +63,7 @@ class _UpdateStats:
         self.lrs: list[float] = []
         self.steps = 0
         self.skipped = 0
+        self.no_advantage = 0
 
     def add_micro(self, metrics: dict[str, float], entropy: float, tokens: int, pg: float, kl: float) -> None:
         for name in TOKEN_METRICS:
@@ -81,6 +82,7 @@ class _UpdateStats:
         out["actor/grad_norm"] = float(np.mean(finite)) if finite else float("nan")
         out["actor/lr"] = float(np.mean(self.lrs)) if self.lrs else 0.0
         out["actor/skipped_steps"] = float(self.skipped)
+        out["actor/no_advantage_steps"] = float(self.no_advantage)
         return out
 
 
@@ -175,10 +177,14 @@ class Actor(ShardedModel):
             batch.old_log_probs = torch.zeros(batch.responses.shape, dtype=torch.float32)
         for _ in range(self.cfg.ppo_epochs):
             for rows in minis:
-                log_probs = self.forward_backward(batch.select(rows), stats, image_anchor, on_policy)
+                mini = batch.select(rows)
+                log_probs = self.forward_backward(mini, stats, image_anchor, on_policy)
                 if on_policy and rows:
                     batch.old_log_probs[rows] = log_probs
-                self.optimizer_step(stats)
+                if self.cfg.skip_steps_without_advantage and not self._has_advantage(mini):
+                    self.skip_step(stats)
+                else:
+                    self.optimizer_step(stats)
         seconds = time.perf_counter() - start
         if self.offload_optimizer:
             move_optimizer_state(self.optimizer, "cpu")
@@ -252,6 +258,20 @@ class Actor(ShardedModel):
         stats.grad_norms.append(norm)
         stats.skipped += int(skipped)
         self.skipped_steps += int(skipped)
+
+    def _has_advantage(self, mini: RolloutBatch) -> bool:
+        """Whether any rank's mini-batch has a non-zero advantage on a response token."""
+        local = float((mini.advantages * mini.response_mask).abs().sum() > 0) if len(mini) else 0.0
+        return self._all_reduce([local], dist.ReduceOp.MAX)[0] > 0
+
+    def skip_step(self, stats: _UpdateStats) -> None:
+        """Drop the accumulated gradient; the LR schedule and step counts still advance."""
+        stats.lrs.append(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.global_step += 1
+        stats.steps += 1
+        stats.no_advantage += 1
 
     # -------------------------------------------------------------------------- placement
     def offload_to_cpu(self) -> None:
