@@ -63,6 +63,18 @@ def batch_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, fl
     return metrics
 
 
+def drift_warning(metrics: dict[str, float], limit: float) -> str | None:
+    """A warning when the step's mean |engine - actor| log-prob exceeds `limit` (else None)."""
+    drift = metrics.get("rollout/log_prob_diff_mean")
+    if drift is None or drift <= limit:
+        return None
+    return (
+        f"engine and actor log-probs differ by {drift:.4f} nats per token on average (max "
+        f"{metrics['rollout/log_prob_diff_max']:.3f}), above worker.rollout.log_prob_diff_warn={limit:g}: "
+        "the actor is not scoring the policy that sampled (stale weights or another sampling distribution)"
+    )
+
+
 def throughput_metrics(batch: RolloutBatch, step_seconds: float, world_size: int) -> dict[str, float]:
     tokens = batch.attention_mask.sum().item()
     return {

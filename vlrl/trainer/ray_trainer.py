@@ -35,7 +35,13 @@ from vlrl.trainer.checkpoint import CheckpointManager, read_state
 from vlrl.trainer.data_setup import TrainingData
 from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, split_prompts
 from vlrl.trainer.loggers import Tracker
-from vlrl.trainer.metrics import PhaseTimer, batch_metrics, mean_reward_parts, throughput_metrics
+from vlrl.trainer.metrics import (
+    PhaseTimer,
+    batch_metrics,
+    drift_warning,
+    mean_reward_parts,
+    throughput_metrics,
+)
 from vlrl.trainer.ray_workers import RankGroup, start_ray
 
 logger = logging.getLogger(__name__)
@@ -170,18 +176,12 @@ class RayPPOTrainer:
 
     def _check_drift(self, metrics: dict[str, float]) -> dict[str, float]:
         """Warn when the engine's log-probs and the actor's disagree (see log_prob_diff_warn)."""
-        drift = metrics.get("rollout/log_prob_diff_mean")
-        if drift is None:
+        if "rollout/log_prob_diff_mean" not in metrics:
             return {}
-        limit = self.config.worker.rollout.log_prob_diff_warn
-        if drift > limit:
+        warning = drift_warning(metrics, self.config.worker.rollout.log_prob_diff_warn)
+        if warning is not None:
             self.drift_steps += 1
-            logger.warning(
-                "step %d: engine and actor log-probs differ by %.4f nats per token on average (max %.3f), "
-                "above worker.rollout.log_prob_diff_warn=%g: the actor is not scoring the policy that "
-                "sampled (stale weights or a different sampling distribution)",
-                self.global_step, drift, metrics["rollout/log_prob_diff_max"], limit,
-            )  # fmt: skip
+            logger.warning("step %d: %s", self.global_step, warning)
         return {"rollout/log_prob_drift_steps": float(self.drift_steps)}
 
     # ------------------------------------------------------------------------ generation
