@@ -121,6 +121,7 @@ def test_bad_keys_and_types(base: list[str], override: str, message: str) -> Non
         (["algorithm.online_filtering=true", "algorithm.filter_low=0.9", "algorithm.filter_high=0.1"],
          "algorithm.filter_low=0.9 must be < algorithm.filter_high=0.1"),
         (["data.format_prompt=/no/template.jinja"], "data.format_prompt: file '/no/template.jinja' does not exist"),
+        (["worker.rollout.temperature=0"], r"worker.rollout.temperature=0.0 must be > 0: training needs sampled"),
     ],
 )  # fmt: skip
 def test_cross_field_rules(base: list[str], overrides: list[str], message: str) -> None:

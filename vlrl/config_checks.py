@@ -130,8 +130,11 @@ def _check_rollout(config: PPOConfig) -> list[str]:
         errors.append(
             f"worker.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"
         )
-    if rollout.temperature < 0:
-        errors.append(f"worker.rollout.temperature={rollout.temperature} must be >= 0")
+    if rollout.temperature <= 0:
+        errors.append(
+            f"worker.rollout.temperature={rollout.temperature} must be > 0: training needs sampled responses "
+            "and their log-probs (greedy decoding belongs in worker.rollout.val_override_config)"
+        )
     bad = sorted(set(rollout.val_override_config) - set(SAMPLING_KEYS))
     if bad:
         errors.append(
