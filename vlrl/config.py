@@ -217,11 +217,12 @@ class ActorConfig(_Section):
     """Token budget per micro-batch with dynamic batching; default: 2 x (prompt + response length)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (0 disables the extra pass)."""
-    skip_steps_without_advantage: bool = False
+    skip_steps_without_advantage: bool = True
     """Skip the optimizer step of a mini-batch whose advantages are all 0 on every rank (every
     group's rewards equal): its gradient then holds only the entropy/KL terms, which Adam rescales
     to a full-size step, and its second moments decay. The LR schedule still advances; counted as
-    `actor/no_advantage_steps`."""
+    `actor/no_advantage_steps`. Without it the 600-step quickstart collapsed to chance (see
+    docs/algorithms.md); EasyR1 always steps."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -79,7 +79,10 @@ class _UpdateStats:
         for k, v in zip(LOSS_METRICS, sums[len(TOKEN_METRICS) + 1 :]):
             out[f"actor/{k}"] = v / max(self.steps, 1)
         finite = [g for g in self.grad_norms if np.isfinite(g)]
-        out["actor/grad_norm"] = float(np.mean(finite)) if finite else float("nan")
+        # nan only when a step was attempted and every norm was non-finite; 0 when none was taken
+        out["actor/grad_norm"] = (
+            float(np.mean(finite)) if finite else float("nan") if self.grad_norms else 0.0
+        )
         out["actor/lr"] = float(np.mean(self.lrs)) if self.lrs else 0.0
         out["actor/skipped_steps"] = float(self.skipped)
         out["actor/no_advantage_steps"] = float(self.no_advantage)
