@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import random
 import time
 from typing import Any
 
@@ -34,6 +33,15 @@ from vlrl.config import PPOConfig
 from vlrl.models.loading import model_class
 from vlrl.protocol import RolloutBatch
 from vlrl.utils.flops import peak_flops, training_flops
+from vlrl.workers.checkpoint_io import (
+    SafeFileSystemReader,
+    load_extra_state,
+    restore_state_placement,
+    rng_state,
+    save_extra_state,
+    set_rng_state,
+    state_placement,
+)
 from vlrl.workers.fsdp import full_state_dict, move_optimizer_state, move_params
 from vlrl.workers.optim import build_lr_scheduler, build_optimizer, clip_and_step
 from vlrl.workers.reference import ShardedModel
@@ -279,9 +287,9 @@ class Actor(ShardedModel):
             "scheduler": self.scheduler.state_dict(),
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
-            "rng": _rng_state(),
+            "rng": rng_state(),
         }
-        torch.save(extra, os.path.join(path, f"extra_state_rank{self.rank}.pt"))
+        save_extra_state(os.path.join(path, f"extra_state_rank{self.rank}.pt"), extra)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
@@ -289,16 +297,21 @@ class Actor(ShardedModel):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)  # creates missing optim states
+        placement = state_placement(self.optimizer)  # before load_state_dict recasts them
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(path, "dcp")))
         set_state_dict(
             self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-        extra = torch.load(os.path.join(path, f"extra_state_rank{self.rank}.pt"), weights_only=False)
+        del state, model_sd, optim_sd  # the recast copies: drop them before restoring the dtypes
+        restore_state_placement(self.optimizer, placement)
+        if self.offload_optimizer:
+            move_optimizer_state(self.optimizer, "cpu")  # where update_policy leaves it between steps
+        extra = load_extra_state(os.path.join(path, f"extra_state_rank{self.rank}.pt"))
         self.scheduler.load_state_dict(extra["scheduler"])
         self.global_step, self.skipped_steps = extra["global_step"], extra["skipped_steps"]
-        _set_rng_state(extra["rng"])
+        set_rng_state(extra["rng"])
         dist.barrier()
 
     def save_hf(self, path: str) -> None:
@@ -324,21 +337,6 @@ class Actor(ShardedModel):
 
         model = self.cfg.model
         return load_processor(model.tokenizer_path or self.model_path)[0]
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def gathered_grads(module: torch.nn.Module) -> dict[str, Tensor]:
