@@ -56,10 +56,18 @@ class RankWorker:
 
     # ------------------------------------------------------------------------- step phases
     def generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch:
-        """Sample responses for this rank's prompts (its data-parallel shard)."""
-        self.rollout.wake_up()
-        batch = self.rollout.generate(prompts, overrides)
-        self.rollout.sleep()
+        """Sample responses for this rank's prompts (its data-parallel shard).
+
+        The actor's shards leave the GPU first (`worker.actor.offload`) and the allocator's cached
+        blocks are released, so the engine can wake into that memory; they come back afterwards."""
+        self.actor.offload_to_cpu()
+        _release_cached_memory(self.device)
+        try:
+            self.rollout.wake_up()
+            batch = self.rollout.generate(prompts, overrides)
+            self.rollout.sleep()
+        finally:
+            self.actor.load_to_device()
         return batch
 
     def compute_log_probs(
@@ -106,6 +114,12 @@ class RankWorker:
             self.rollout.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _release_cached_memory(device: torch.device) -> None:
+    """Hand the CUDA caching allocator's free blocks back to the driver (for the rollout engine)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _init_process_group(device: str, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
