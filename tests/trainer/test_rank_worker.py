@@ -58,3 +58,16 @@ def test_actor_comes_back_when_generation_fails() -> None:
     with pytest.raises(RuntimeError, match="engine failed"):
         _worker(calls, "cpu", fail_on="generate").generate(prompts=None)
     assert calls[-1] == "actor.load_to_device"
+
+
+def test_gpu_process_group_has_a_cpu_backend_for_fsdp_cpu_offload() -> None:
+    """Collectives on CPU tensors (FSDP CPU offload) need a CPU backend in the default group."""
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    from vlrl.workers.rank_worker import process_group_backend
+
+    plain = BackendConfig("nccl").get_device_backend_map()
+    assert "cpu" not in plain  # what the old backend string gave: CPU tensor collectives fail
+    ours = BackendConfig(process_group_backend("cuda")).get_device_backend_map()
+    assert ours == {"cuda": "nccl", "cpu": "gloo"}
+    assert process_group_backend("cpu") == "gloo"

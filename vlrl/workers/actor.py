@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from vlrl.algorithms import aggregate_loss, compute_kl_loss, compute_policy_loss, count_tokens_and_seqs
-from vlrl.config import PPOConfig
+from vlrl.config import ActorConfig, PPOConfig
 from vlrl.models.loading import model_class
 from vlrl.protocol import RolloutBatch
 from vlrl.utils.flops import peak_flops, training_flops
@@ -42,7 +42,7 @@ from vlrl.workers.checkpoint_io import (
     set_rng_state,
     state_placement,
 )
-from vlrl.workers.fsdp import full_state_dict, move_optimizer_state, move_params
+from vlrl.workers.fsdp import fsdp_offloads_to_cpu, full_state_dict, move_optimizer_state, move_params
 from vlrl.workers.optim import build_lr_scheduler, build_optimizer, clip_and_step
 from vlrl.workers.reference import ShardedModel
 from vlrl.workers.vision import VisionCache
@@ -92,6 +92,26 @@ class _UpdateStats:
         return out
 
 
+def manual_offload(cfg: ActorConfig, device: torch.device) -> tuple[bool, bool]:
+    """(offload_params, offload_optimizer) that the actor does itself between phases.
+
+    None on CPU (no device memory to free). None with FSDP's CPU offload either: the shards already
+    live on CPU, so AdamW creates its states there too, and moving either to the GPU would break
+    FSDP's placement (the optimizer step needs its states where the parameters are)."""
+    wanted = cfg.offload.offload_params or cfg.offload.offload_optimizer
+    if device.type != "cuda":
+        if wanted:
+            logger.info("worker.actor.offload is ignored on CPU: the weights already live in host memory")
+        return False, False
+    if fsdp_offloads_to_cpu(cfg.fsdp, device):
+        if wanted:
+            logger.info(
+                "worker.actor.offload is ignored with fsdp.enable_cpu_offload: FSDP keeps the shards on CPU"
+            )
+        return False, False
+    return cfg.offload.offload_params, cfg.offload.offload_optimizer
+
+
 class Actor(ShardedModel):
     """The policy being trained. `module` is the FSDP2-wrapped HF model (its state_dict holds DTensors).
 
@@ -128,11 +148,7 @@ class Actor(ShardedModel):
         self.set_total_steps(total_steps if total_steps is not None else default_total_steps(config))
         self.global_step = 0  # optimizer steps attempted (skipped ones included)
         self.skipped_steps = 0  # over the whole run
-        on_gpu = self.device.type == "cuda"
-        self.offload_params = cfg.offload.offload_params and on_gpu  # no-op on CPU: nothing to free
-        self.offload_optimizer = cfg.offload.offload_optimizer and on_gpu
-        if not on_gpu and (cfg.offload.offload_params or cfg.offload.offload_optimizer):
-            logger.info("worker.actor.offload is ignored on CPU: the weights already live in host memory")
+        self.offload_params, self.offload_optimizer = manual_offload(cfg, self.device)
 
     def set_total_steps(self, total_steps: int | None) -> None:
         """Optimizer steps of the whole run (for warm-up ratio and cosine); rebuilds the schedule."""

@@ -67,6 +67,11 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return units
 
 
+def fsdp_offloads_to_cpu(fsdp: FSDPConfig, device: torch.device | str) -> bool:
+    """True when FSDP2 itself keeps the shards (and so the optimizer states) in host memory."""
+    return fsdp.enable_cpu_offload and torch.device(device).type == "cuda"
+
+
 def apply_fsdp(
     model: torch.nn.Module, device: torch.device, fsdp: FSDPConfig, mesh: DeviceMesh | None = None
 ) -> torch.nn.Module:
@@ -79,7 +84,7 @@ def apply_fsdp(
     mp = mixed_precision(fsdp, device)
     if mp is not None:
         kwargs["mp_policy"] = mp
-    if fsdp.enable_cpu_offload and device.type == "cuda":
+    if fsdp_offloads_to_cpu(fsdp, device):
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for unit in shard_units(model):
         fully_shard(unit, **kwargs)

@@ -116,6 +116,18 @@ class RankWorker:
             torch.distributed.destroy_process_group()
 
 
+def process_group_backend(device: str) -> str:
+    """The default group's backends: NCCL for CUDA tensors and, on GPU, gloo for CPU tensors.
+
+    FSDP2's CPU offload (`fsdp.enable_cpu_offload`) keeps the sharded parameters and gradients on
+    CPU, so the weight sync's `full_tensor()` and the grad-norm all-reduce are collectives on CPU
+    tensors. A group made with plain "nccl" has no CPU backend (torch 2.13,
+    torch/distributed/distributed_c10d.py, `BackendConfig.__init__`: a single backend name maps
+    only the devices in `Backend.backend_capability`, which for nccl is ["cuda"]), so those calls
+    would fail with "No backend type associated with device type cpu"."""
+    return "cuda:nccl,cpu:gloo" if device == "cuda" else "gloo"
+
+
 def _release_cached_memory(device: torch.device) -> None:
     """Hand the CUDA caching allocator's free blocks back to the driver (for the rollout engine)."""
     if device.type == "cuda":
@@ -131,10 +143,10 @@ def _init_process_group(device: str, rank: int, world_size: int, master_addr: st
     if device == "cuda":
         # Ray gives each rank one GPU via CUDA_VISIBLE_DEVICES, so the local device is always 0.
         torch.cuda.set_device(0)
-        backend = "nccl"
+        backend = process_group_backend(device)
     else:
         # Share the machine's cores between the ranks instead of oversubscribing them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        backend = "gloo"
+        backend = process_group_backend(device)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)

@@ -210,7 +210,8 @@ class Reference(ShardedModel):
             trainable=False,
             vision_cache=vision_cache,
         )
-        self.offload = ref.offload_params and self.device.type == "cuda"
+        # with FSDP's CPU offload the shards already stay on CPU and FSDP moves them in itself
+        self.offload = ref.offload_params and self.device.type == "cuda" and not fsdp_cfg.enable_cpu_offload
         if self.offload:
             move_params(self.module, "cpu")
 
