@@ -21,7 +21,14 @@ from vlrl.models.loading import is_vision_model, load_model
 from vlrl.models.packing import LogProbOutput, build_packed_inputs, build_padded_inputs, forward_log_probs
 from vlrl.protocol import RolloutBatch
 from vlrl.workers.balance import count_micro_batches, micro_batches_by_tokens
-from vlrl.workers.fsdp import apply_fsdp, broadcast_weights_from_rank0, master_dtype, move_params, world_info
+from vlrl.workers.fsdp import (
+    apply_fsdp,
+    broadcast_weights_from_rank0,
+    master_dtype,
+    move_params,
+    reshard,
+    world_info,
+)
 from vlrl.workers.vision import VisionCache, dummy_image_anchor, text_anchor
 
 
@@ -226,6 +233,7 @@ class Reference(ShardedModel):
         try:
             return super().compute_log_probs(batch, temperature)
         finally:
+            reshard(self.module)  # no backward follows: free what the forward gathered
             if self.offload:
                 move_params(self.module, "cpu")
             if self.vision is not None and self.owns_vision_cache:
