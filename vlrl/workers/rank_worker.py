@@ -7,6 +7,7 @@ FSDP all-gathers and the weight sync are collectives: a rank that skipped a call
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
@@ -24,7 +25,10 @@ class RankWorker:
     ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
-        _init_process_group(config.trainer.device, rank, world_size, master_addr, master_port)
+        _init_process_group(
+            config.trainer.device, rank, world_size, master_addr, master_port,
+            timeout=datetime.timedelta(minutes=config.trainer.dist_timeout_minutes),
+        )  # fmt: skip
         self.device = torch.device(
             f"cuda:{torch.cuda.current_device()}" if config.trainer.device == "cuda" else "cpu"
         )
@@ -109,6 +113,12 @@ class RankWorker:
         self.actor.load_checkpoint(path)
         return self.sync_weights()
 
+    def probe_shared_path(self, marker: str, token: str) -> tuple[bool, str]:
+        """Whether this rank sees the driver's checkpoint folder (`check_shared_filesystem`)."""
+        from vlrl.trainer.checkpoint import probe_shared_path
+
+        return probe_shared_path(marker, token, self.rank)
+
     def shutdown(self) -> None:
         if self.rollout is not None:
             self.rollout.close()
@@ -134,8 +144,14 @@ def _release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _init_process_group(device: str, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-    """torch.distributed first (vLLM's external_launcher joins this world), from env vars."""
+def _init_process_group(
+    device: str, rank: int, world_size: int, master_addr: str, master_port: int, timeout: datetime.timedelta
+) -> None:
+    """torch.distributed first (vLLM's external_launcher joins this world), from env vars.
+
+    `timeout` (`trainer.dist_timeout_minutes`) bounds every collective, including the weight
+    broadcast in which ranks > 0 wait while rank 0 reads the checkpoint (torch's NCCL default is
+    10 minutes, less than reading a large model from network storage can take)."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank if device == "cpu" else 0), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
@@ -149,4 +165,4 @@ def _init_process_group(device: str, rank: int, world_size: int, master_addr: st
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         backend = process_group_backend(device)
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
