@@ -7,8 +7,9 @@ through an extra forward kwarg, `vlrl_varlen=VarlenInfo(...)`. transformers pass
 kwargs down to every attention call (decoder layers and, harmlessly, the vision blocks, whose own
 implementation ignores them), also through gradient checkpointing, so no global state is needed.
 
-Only the text decoder uses this function: `set_text_attention` switches the text sub-config and
-leaves the vision tower on its own implementation (it already attends per image).
+Only the text decoder uses this function: `set_text_attention` switches the text sub-config.
+The vision tower gets `vision_varlen_attention_forward` (`set_vision_attention`): bidirectional
+attention within each window/image, one varlen kernel call per block on GPU.
 
 Backends ("auto" picks the first that applies):
 - "flash": `flash_attn_varlen_func` (CUDA, fp16/bf16, when flash-attn imports; probed once);
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 VARLEN_ATTENTION = "vlrl_varlen"
+# "flash" in the name is what makes transformers' vision attention pass the window boundaries
+VISION_ATTENTION = "vlrl_flash_varlen_vision"
 logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "flash", "torch_varlen", "loop", "mask")
 
@@ -122,11 +125,11 @@ def _keyword_params(fn) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
-def _call_torch_varlen(fn, q3, k3, v3, cu, max_len: int, scale: float | None):
-    """Causal `varlen_attn` on q3 [T, H, D], k3/v3 [T, Hkv, D], whichever signature `fn` has.
+def _call_torch_varlen(fn, q3, k3, v3, cu, max_len: int, scale: float | None, causal: bool = True):
+    """`varlen_attn` on q3 [T, H, D], k3/v3 [T, Hkv, D], whichever signature `fn` has.
 
     torch 2.13 (torch/nn/attention/varlen.py): keyword-only `scale`, `window_size` (causal is
-    (-1, 0)) and `enable_gqa`. torch 2.9 had `is_causal` and neither `scale` nor `enable_gqa`:
+    (-1, 0), full (-1, -1)) and `enable_gqa`. torch 2.9 had `is_causal` and neither `scale` nor `enable_gqa`:
     there grouped kv heads are repeated and a non-default scale is folded into the queries.
     """
     params = _keyword_params(fn)
@@ -138,9 +141,9 @@ def _call_torch_varlen(fn, q3, k3, v3, cu, max_len: int, scale: float | None):
             rep = q3.shape[1] // k3.shape[1]
             k3, v3 = k3.repeat_interleave(rep, dim=1), v3.repeat_interleave(rep, dim=1)
     if "is_causal" in params:
-        kwargs["is_causal"] = True
+        kwargs["is_causal"] = causal
     else:
-        kwargs["window_size"] = (-1, 0)
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
     if scale is not None:
         if "scale" in params:
             kwargs["scale"] = scale
@@ -159,7 +162,9 @@ def _sdpa(q, k, v, *, causal: bool, mask: torch.Tensor | None, scale: float | No
     )
 
 
-def _flash_varlen(q, k, v, info: VarlenInfo, scale: float | None, dropout: float, backend: str):
+def _flash_varlen(
+    q, k, v, info: VarlenInfo, scale: float | None, dropout: float, backend: str, causal: bool = True
+):
     """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D] with a varlen CUDA kernel."""
     q3, k3, v3 = (x[0].transpose(0, 1) for x in (q, k, v))  # [T, H, D]
     cu, max_len = info.cu_seqlens, info.max_seqlen
@@ -167,15 +172,29 @@ def _flash_varlen(q, k, v, info: VarlenInfo, scale: float | None, dropout: float
         flash = _flash_attn_varlen()
         if flash is None:
             raise RuntimeError("attention backend 'flash' needs flash-attn, which cannot be imported here")
-        out = flash(q3, k3, v3, cu, cu, max_len, max_len, dropout, softmax_scale=scale, causal=True)
+        out = flash(q3, k3, v3, cu, cu, max_len, max_len, dropout, softmax_scale=scale, causal=causal)
     else:
         fn = _torch_varlen()
         if fn is None:
             raise RuntimeError(
                 "attention backend 'torch_varlen' needs torch.nn.attention.varlen (torch >= 2.9)"
             )
-        out = _call_torch_varlen(fn, q3, k3, v3, cu, max_len, scale)
+        out = _call_torch_varlen(fn, q3, k3, v3, cu, max_len, scale, causal)
     return out.transpose(0, 1).unsqueeze(0)
+
+
+def _loop(q, k, v, lengths: list[int], scale: float | None, dropout: float, causal: bool):
+    """One sdpa call per sequence: q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]."""
+    outs, start = [], 0
+    for length in lengths:
+        sl = slice(start, start + length)
+        outs.append(
+            _sdpa(
+                q[:, :, sl], k[:, :, sl], v[:, :, sl], causal=causal, mask=None, scale=scale, dropout=dropout
+            )
+        )
+        start += length
+    return torch.cat(outs, dim=2)
 
 
 def varlen_attention_forward(
@@ -210,24 +229,52 @@ def varlen_attention_forward(
         mask = vlrl_varlen.block_causal_mask()
         out = _sdpa(query, key, value, causal=False, mask=mask, scale=scaling, dropout=dropout)
     else:  # loop: each sequence attends only to itself
-        outs, start = [], 0
-        for length in vlrl_varlen.lengths:
-            end = start + length
-            sl = slice(start, end)
-            outs.append(
-                _sdpa(
-                    query[:, :, sl],
-                    key[:, :, sl],
-                    value[:, :, sl],
-                    causal=True,
-                    mask=None,
-                    scale=scaling,
-                    dropout=dropout,
-                )
-            )
-            start = end
-        out = torch.cat(outs, dim=2)
+        out = _loop(query, key, value, vlrl_varlen.lengths, scaling, dropout, causal=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def vision_varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Vision-tower attention over images / windows packed in one row. query [1, H, T, D].
+
+    transformers 5.19's Qwen2/2.5/3-VL vision attention (`Qwen2_5_VLVisionAttention.forward`)
+    passes `cu_seq_lens_q` (window or image boundaries, int32) only to implementations whose name
+    contains "flash" (`is_flash_attention_requested`); any other implementation gets one call per
+    window from a Python loop (~80 windows per 1000x1000 image, for each windowed block). Here
+    the windows go to one varlen kernel call on CUDA (fp16/bf16), and to the same per-window loop
+    as transformers' sdpa path elsewhere. Returns ([1, T, H, D], None).
+    """
+    kwargs.pop(VARLEN_ATTENTION, None)  # the text decoder's packing info may be passed down; not ours
+    if cu_seq_lens_q is None:
+        raise ValueError("vision attention needs cu_seq_lens_q (the window boundaries)")
+    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+    info = VarlenInfo(cu_seqlens=cu_seq_lens_q.to(torch.int32), lengths=lengths)
+    backend = _resolve_backend("auto", query.device, query.dtype)
+    if backend in ("flash", "torch_varlen"):
+        out = _flash_varlen(query, key, value, info, scaling, dropout, backend, causal=False)
+    else:
+        out = _loop(query, key, value, lengths, scaling, dropout, causal=False)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def set_vision_attention(model: torch.nn.Module) -> None:
+    """Put the vision tower (if any) on `vision_varlen_attention_forward` (see there for why)."""
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VISION_ATTENTION, vision_varlen_attention_forward)
+    vision._attn_implementation = VISION_ATTENTION
 
 
 def varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:

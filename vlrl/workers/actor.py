@@ -338,6 +338,8 @@ class Actor(ShardedModel):
             config.use_cache = True
             text = getattr(config, "text_config", None) or config
             text._attn_implementation = "sdpa"  # our packed attention is not registered elsewhere
+            if getattr(config, "vision_config", None) is not None:
+                config.vision_config._attn_implementation = "sdpa"  # nor our vision attention
             with torch.device("meta"):
                 model = model_class(config).from_config(config)
             model.load_state_dict(state, assign=True, strict=True)
