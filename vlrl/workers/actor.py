@@ -320,7 +320,7 @@ class Actor(ShardedModel):
         set_state_dict(
             self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-        del state, model_sd, optim_sd  # the recast copies: drop them before restoring the dtypes
+        del state, model_sd, optim_sd  # the optimizer now holds recast copies; free the loaded originals
         restore_state_placement(self.optimizer, placement)
         if self.offload_optimizer:
             move_optimizer_state(self.optimizer, "cpu")  # where update_policy leaves it between steps
