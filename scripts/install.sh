@@ -59,7 +59,8 @@ PY
   # torchaudio/torchcodec break `import vllm` with this torch when present.
   "$UV" pip uninstall torchaudio torchcodec 2>/dev/null || true
 else
-  "$UV" pip install "${TORCH_PINS[@]}" "${COMMON[@]}" vllm
+  # The supported vLLM line (vlrl uses its internals; see the README's install section).
+  "$UV" pip install "${TORCH_PINS[@]}" "${COMMON[@]}" "vllm==0.32.*"
 fi
 "$UV" pip install --no-deps -e .
 # Byte-compile everything now: where PYTHONDONTWRITEBYTECODE=1 is set (as on our CI machines) no

@@ -11,6 +11,7 @@ then dotted overrides `a.b.c=value`. Then `PPOConfig.finalize()` computes the de
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -336,7 +337,11 @@ class TrainerConfig(_Section):
     n_gpus_per_node: int = 8
     """Ranks per node: GPUs per node, or CPU ranks on a machine without GPUs."""
     device: str = "auto"
-    """auto (cuda when available, else cpu), cuda or cpu."""
+    """auto, cuda or cpu. auto: cuda when the Ray cluster named by RAY_ADDRESS has GPUs (without
+    RAY_ADDRESS: when this machine has one), else cpu."""
+    dist_timeout_minutes: float = 60.0
+    """Timeout of the ranks' collectives (torch.distributed). Generous by default: rank 0 reads the
+    whole checkpoint from disk while the other ranks wait in the weight broadcast."""
     max_try_make_batch: int = 20
     """With online filtering: generation rounds allowed to fill one batch (-1: unlimited)."""
     val_freq: int = -1
@@ -361,6 +366,41 @@ class TrainerConfig(_Section):
     """Resume from the newest complete checkpoint in `save_checkpoint_path` when one exists."""
     plot_path: str | None = None
     """Write a PNG of reward and response length per step here at the end."""
+
+
+# ------------------------------------------------------------------------------- device
+def resolve_device(
+    ray_address: str | None,
+    cluster_gpus: Callable[[str], float] | None = None,
+    local_cuda: Callable[[], bool] | None = None,
+) -> str:
+    """What `trainer.device=auto` means: the ranks' device, not the driver's.
+
+    Joining a cluster (`ray_address`): cuda when the cluster has GPUs. The driver may run on a
+    head node without one, so its own torch.cuda says nothing about where the ranks run.
+    Otherwise Ray starts on this machine: cuda when this machine has a GPU.
+    `cluster_gpus(address) -> float` and `local_cuda() -> bool` are injectable for tests."""
+    if ray_address:
+        gpus = (cluster_gpus or _cluster_gpus)(ray_address)
+        return "cuda" if gpus > 0 else "cpu"
+    if local_cuda is None:
+        import torch
+
+        local_cuda = torch.cuda.is_available
+    return "cuda" if local_cuda() else "cpu"
+
+
+def _cluster_gpus(address: str) -> float:
+    """GPUs of the Ray cluster at `address` (connects, reads, disconnects)."""
+    import ray
+
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0))
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    try:
+        return float(ray.cluster_resources().get("GPU", 0))
+    finally:
+        ray.shutdown()
 
 
 # --------------------------------------------------------------------------------------- root
@@ -417,9 +457,7 @@ class PPOConfig(_Section):
                 "checkpoints", self.trainer.project_name, self.trainer.experiment_name
             )
         if self.trainer.device == "auto":
-            import torch
-
-            self.trainer.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.trainer.device = resolve_device(os.environ.get("RAY_ADDRESS"))
 
     def validate(self) -> None:
         """Every cross-field rule, each failure naming the keys and what to change."""

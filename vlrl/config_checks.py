@@ -115,6 +115,12 @@ def _check_rollout(config: PPOConfig) -> list[str]:
         errors.append(
             f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size} must divide the world size {world}"
         )
+    elif config.trainer.n_gpus_per_node % rollout.tensor_parallel_size:
+        errors.append(
+            f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size} must divide "
+            f"trainer.n_gpus_per_node={config.trainer.n_gpus_per_node}: a tensor-parallel group must "
+            "sit on one node"
+        )
     needed = data.max_prompt_length + data.max_response_length
     if rollout.max_model_len is not None and rollout.max_model_len < needed:
         errors.append(
@@ -177,6 +183,8 @@ def _check_trainer(config: PPOConfig) -> list[str]:
         errors.append(f"trainer.logger has unknown entries {bad}; valid: {list(KNOWN_LOGGERS)}")
     if trainer.device not in ("cpu", "cuda"):
         errors.append(f"trainer.device={trainer.device!r} must be auto, cpu or cuda")
+    if trainer.dist_timeout_minutes <= 0:
+        errors.append(f"trainer.dist_timeout_minutes={trainer.dist_timeout_minutes} must be > 0")
     if trainer.max_steps is not None and trainer.max_steps < 1:
         errors.append(f"trainer.max_steps={trainer.max_steps} must be >= 1 (or null)")
     if trainer.total_epochs < 1:

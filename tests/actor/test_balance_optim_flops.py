@@ -174,3 +174,22 @@ def test_vision_cache_collate_shared_lists_each_distinct_image_once(actor_model)
     _, _, none_repeated = cache.collate_shared([[red], [blue]])
     assert none_repeated is None
     assert cache.collate_shared([[], []]) == (None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),  # SXM
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H20", 148e12),  # not H200's peak, though "H20" is a prefix of "H200"
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA GeForce RTX 4090", 165e12),
+        ("Tesla T4", None),
+    ],
+)
+def test_gpu_peak_by_device_name(name, peak):
+    from vlrl.utils.flops import gpu_peak_bf16
+
+    assert gpu_peak_bf16(name) == peak

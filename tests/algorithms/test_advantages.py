@@ -199,3 +199,29 @@ def test_registries_match_config_checks():
     assert set(KL_ESTIMATORS) == {"kl", "abs", "mse", "low_var_kl", "full"}
     assert set(POLICY_LOSSES) == {"ppo", "gspo", "gspo_token", "cispo", "sapo"}
     assert LOSS_AGG_MODES == ("token", "seq", "seq-mean-token-sum")
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "gae"])
+@pytest.mark.parametrize(("b", "t"), [(64, 5), (100, 5), (1000, 3)])
+@pytest.mark.parametrize("value", [0.9, 0.7])
+def test_equal_inexact_returns_whiten_to_zero(estimator, b, t, value):
+    """Every valid return equal and not exact in float32: advantages must be ~0.
+
+    With float32 statistics the mean is off by ~1e-8 (how much depends on the summation order of
+    the dot product: here (64, 5) happened to be exact, (1000, 3) with 0.9 gave 0.15) and
+    (x - mean) / (std + eps) blew that residue up to advantages of order 0.1."""
+    rewards = torch.zeros(b, t)
+    rewards[:, -1] = value  # gamma = lam = 1: every token's return (and GAE advantage with V = 0) is `value`
+    mask = torch.ones(b, t)
+    kw = {"values": torch.zeros(b, t)} if estimator == "gae" else {}
+    adv, _ = compute_advantages(estimator, rewards, mask, torch.arange(b), **kw)
+    assert adv.dtype == torch.float32
+    assert adv.abs().max() < 1e-6
+
+
+def test_masked_whiten_equal_values_with_padding_is_zero():
+    torch.manual_seed(0)
+    values = torch.full((1000, 5), 0.7)
+    mask = (torch.arange(5)[None] < torch.randint(1, 6, (1000, 1))).float()
+    values[mask == 0] = 123.0  # padding must not enter the statistics
+    assert masked_whiten(values, mask).abs().max() < 1e-6

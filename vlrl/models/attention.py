@@ -7,26 +7,31 @@ through an extra forward kwarg, `vlrl_varlen=VarlenInfo(...)`. transformers pass
 kwargs down to every attention call (decoder layers and, harmlessly, the vision blocks, whose own
 implementation ignores them), also through gradient checkpointing, so no global state is needed.
 
-Only the text decoder uses this function: `set_text_attention` switches the text sub-config and
-leaves the vision tower on its own implementation (it already attends per image).
+Only the text decoder uses this function: `set_text_attention` switches the text sub-config.
+The vision tower gets `vision_varlen_attention_forward` (`set_vision_attention`): bidirectional
+attention within each window/image, one varlen kernel call per block on GPU.
 
-Backends, picked once per `VarlenInfo`:
-- "flash": `flash_attn_varlen_func` (CUDA, when flash-attn is importable);
-- "torch_varlen": `torch.nn.attention.varlen.varlen_attn` (CUDA, torch >= 2.9);
+Backends ("auto" picks the first that applies):
+- "flash": `flash_attn_varlen_func` (CUDA, fp16/bf16, when flash-attn imports; probed once);
+- "torch_varlen": `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16, torch >= 2.9);
 - "loop": one causal sdpa call per sequence, cost sum(L_i^2) (default on CPU: see benchmarks);
 - "mask": one sdpa call over the whole row with a [T, T] block-diagonal causal mask, cost T^2.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import inspect
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 VARLEN_ATTENTION = "vlrl_varlen"
+# "flash" in the name is what makes transformers' vision attention pass the window boundaries
+VISION_ATTENTION = "vlrl_flash_varlen_vision"
+logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "flash", "torch_varlen", "loop", "mask")
 
 
@@ -63,23 +68,88 @@ def make_varlen_info(lengths: list[int], device: torch.device | str, backend: st
     return VarlenInfo(cu_seqlens=cu.to(device), lengths=list(lengths), backend=backend)
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # the only dtypes the flash kernels take
+
+
+def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel for this call: "auto" picks flash > torch_varlen > loop.
+
+    Both varlen kernels are flash-attention kernels (fp16/bf16 only), so "auto" falls back to
+    "loop" for fp32; asking for one of them explicitly with fp32 is an error that says so.
+    """
+    if backend in ("flash", "torch_varlen") and dtype not in FLASH_DTYPES:
+        raise ValueError(
+            f"attention backend {backend!r} runs flash-attention kernels, which take fp16/bf16, not "
+            f"{dtype}: use 'auto' (falls back to 'loop'), 'loop' or 'mask', or compute in bf16"
+        )
     if backend != "auto":
         return backend
-    if device.type == "cuda":
-        if importlib.util.find_spec("flash_attn") is not None:
+    if device.type == "cuda" and dtype in FLASH_DTYPES:
+        if _flash_attn_varlen() is not None:
             return "flash"
         if _torch_varlen() is not None:
             return "torch_varlen"
     return "loop"
 
 
+@functools.cache
+def _flash_attn_varlen():
+    """flash-attn's varlen function, or None when it cannot be imported. Probed once per process.
+
+    Any exception counts as "not available", not only ImportError: a flash-attn wheel built for
+    another torch/CUDA fails at import with OSError/RuntimeError (undefined symbols)."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    except Exception as error:  # installed but broken: say so once, then use the next backend
+        logger.warning(
+            "flash-attn is installed but failed to import (%s: %s); not using it", type(error).__name__, error
+        )
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.cache
 def _torch_varlen():
+    """`torch.nn.attention.varlen.varlen_attn` (torch >= 2.9), or None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     return varlen_attn
+
+
+@functools.cache
+def _keyword_params(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _call_torch_varlen(fn, q3, k3, v3, cu, max_len: int, scale: float | None, causal: bool = True):
+    """`varlen_attn` on q3 [T, H, D], k3/v3 [T, Hkv, D], whichever signature `fn` has.
+
+    torch 2.13 (torch/nn/attention/varlen.py): keyword-only `scale`, `window_size` (causal is
+    (-1, 0), full (-1, -1)) and `enable_gqa`. torch 2.9 had `is_causal` and neither `scale` nor `enable_gqa`:
+    there grouped kv heads are repeated and a non-default scale is folded into the queries.
+    """
+    params = _keyword_params(fn)
+    kwargs = {}
+    if k3.shape[1] != q3.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            rep = q3.shape[1] // k3.shape[1]
+            k3, v3 = k3.repeat_interleave(rep, dim=1), v3.repeat_interleave(rep, dim=1)
+    if "is_causal" in params:
+        kwargs["is_causal"] = causal
+    else:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    if scale is not None:
+        if "scale" in params:
+            kwargs["scale"] = scale
+        else:  # the kernel uses 1/sqrt(D): q * (scale * sqrt(D)) gives the same scores
+            q3 = q3 * (scale * q3.shape[-1] ** 0.5)
+    return fn(q3, k3, v3, cu, cu, max_len, max_len, **kwargs)
 
 
 def _sdpa(q, k, v, *, causal: bool, mask: torch.Tensor | None, scale: float | None, dropout: float):
@@ -92,25 +162,39 @@ def _sdpa(q, k, v, *, causal: bool, mask: torch.Tensor | None, scale: float | No
     )
 
 
-def _flash_varlen(q, k, v, info: VarlenInfo, scale: float | None, dropout: float, backend: str):
+def _flash_varlen(
+    q, k, v, info: VarlenInfo, scale: float | None, dropout: float, backend: str, causal: bool = True
+):
     """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D] with a varlen CUDA kernel."""
     q3, k3, v3 = (x[0].transpose(0, 1) for x in (q, k, v))  # [T, H, D]
     cu, max_len = info.cu_seqlens, info.max_seqlen
     if backend == "flash":
-        from flash_attn import flash_attn_varlen_func
-
-        out = flash_attn_varlen_func(
-            q3, k3, v3, cu, cu, max_len, max_len, dropout, softmax_scale=scale, causal=True
-        )
+        flash = _flash_attn_varlen()
+        if flash is None:
+            raise RuntimeError("attention backend 'flash' needs flash-attn, which cannot be imported here")
+        out = flash(q3, k3, v3, cu, cu, max_len, max_len, dropout, softmax_scale=scale, causal=causal)
     else:
         fn = _torch_varlen()
-        extra = {"enable_gqa": True} if k3.shape[1] != q3.shape[1] else {}
-        if "is_causal" in inspect.signature(fn).parameters:  # torch 2.9/2.10 spelling
-            extra["is_causal"] = True
-        else:
-            extra["window_size"] = (-1, 0)
-        out = fn(q3, k3, v3, cu, cu, max_len, max_len, scale=scale, **extra)
+        if fn is None:
+            raise RuntimeError(
+                "attention backend 'torch_varlen' needs torch.nn.attention.varlen (torch >= 2.9)"
+            )
+        out = _call_torch_varlen(fn, q3, k3, v3, cu, max_len, scale, causal)
     return out.transpose(0, 1).unsqueeze(0)
+
+
+def _loop(q, k, v, lengths: list[int], scale: float | None, dropout: float, causal: bool):
+    """One sdpa call per sequence: q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]."""
+    outs, start = [], 0
+    for length in lengths:
+        sl = slice(start, start + length)
+        outs.append(
+            _sdpa(
+                q[:, :, sl], k[:, :, sl], v[:, :, sl], causal=causal, mask=None, scale=scale, dropout=dropout
+            )
+        )
+        start += length
+    return torch.cat(outs, dim=2)
 
 
 def varlen_attention_forward(
@@ -138,31 +222,59 @@ def varlen_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one row, got a batch of {query.shape[0]}")
-    backend = _resolve_backend(vlrl_varlen.backend, query.device)
+    backend = _resolve_backend(vlrl_varlen.backend, query.device, query.dtype)
     if backend in ("flash", "torch_varlen"):
         out = _flash_varlen(query, key, value, vlrl_varlen, scaling, dropout, backend)
     elif backend == "mask":
         mask = vlrl_varlen.block_causal_mask()
         out = _sdpa(query, key, value, causal=False, mask=mask, scale=scaling, dropout=dropout)
     else:  # loop: each sequence attends only to itself
-        outs, start = [], 0
-        for length in vlrl_varlen.lengths:
-            end = start + length
-            sl = slice(start, end)
-            outs.append(
-                _sdpa(
-                    query[:, :, sl],
-                    key[:, :, sl],
-                    value[:, :, sl],
-                    causal=True,
-                    mask=None,
-                    scale=scaling,
-                    dropout=dropout,
-                )
-            )
-            start = end
-        out = torch.cat(outs, dim=2)
+        out = _loop(query, key, value, vlrl_varlen.lengths, scaling, dropout, causal=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def vision_varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Vision-tower attention over images / windows packed in one row. query [1, H, T, D].
+
+    transformers 5.19's Qwen2/2.5/3-VL vision attention (`Qwen2_5_VLVisionAttention.forward`)
+    passes `cu_seq_lens_q` (window or image boundaries, int32) only to implementations whose name
+    contains "flash" (`is_flash_attention_requested`); any other implementation gets one call per
+    window from a Python loop (~80 windows per 1000x1000 image, for each windowed block). Here
+    the windows go to one varlen kernel call on CUDA (fp16/bf16), and to the same per-window loop
+    as transformers' sdpa path elsewhere. Returns ([1, T, H, D], None).
+    """
+    kwargs.pop(VARLEN_ATTENTION, None)  # the text decoder's packing info may be passed down; not ours
+    if cu_seq_lens_q is None:
+        raise ValueError("vision attention needs cu_seq_lens_q (the window boundaries)")
+    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+    info = VarlenInfo(cu_seqlens=cu_seq_lens_q.to(torch.int32), lengths=lengths)
+    backend = _resolve_backend("auto", query.device, query.dtype)
+    if backend in ("flash", "torch_varlen"):
+        out = _flash_varlen(query, key, value, info, scaling, dropout, backend, causal=False)
+    else:
+        out = _loop(query, key, value, lengths, scaling, dropout, causal=False)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def set_vision_attention(model: torch.nn.Module) -> None:
+    """Put the vision tower (if any) on `vision_varlen_attention_forward` (see there for why)."""
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VISION_ATTENTION, vision_varlen_attention_forward)
+    vision._attn_implementation = VISION_ATTENTION
 
 
 def varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:

@@ -2,7 +2,8 @@
 
 VLMs (a config with `vision_config`) load with `AutoModelForImageTextToText`, text-only models with
 `AutoModelForCausalLM`. The text decoder's attention is switched to our packed implementation when
-`padding_free` (see vlrl.models.attention); the vision tower keeps sdpa (it attends per image).
+`padding_free` (see vlrl.models.attention); the vision tower attends per window/image through
+`vision_varlen_attention_forward`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from vlrl.models.attention import VARLEN_ATTENTION, set_text_attention
+from vlrl.models.attention import VARLEN_ATTENTION, set_text_attention, set_vision_attention
 from vlrl.models.shared_images import share_image_features
 
 DTYPES = {
@@ -109,6 +110,7 @@ def load_model(
     model.config.use_cache = False
     if is_vision_model(config):
         share_image_features(model)  # accepts vlrl_image_index: one encoding per distinct image
+        set_vision_attention(model)  # all windows of a block in one varlen kernel call on GPU
     if padding_free:
         set_text_attention(model, VARLEN_ATTENTION)
     if gradient_checkpointing:

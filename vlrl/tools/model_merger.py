@@ -11,20 +11,31 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 import torch
 
 
 def load_full_model_state(dcp_dir: str) -> dict[str, torch.Tensor]:
-    """The model's full (unsharded) state dict from a DCP checkpoint written by `Actor.save_checkpoint`."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """The model's full (unsharded) state dict from a DCP checkpoint written by `Actor.save_checkpoint`.
 
-    with tempfile.TemporaryDirectory() as tmp:
-        flat = os.path.join(tmp, "full.pt")
-        dcp_to_torch_save(dcp_dir, flat)
-        state = torch.load(flat, weights_only=False, map_location="cpu")
-    return {name: tensor for name, tensor in state["model"].items()}
+    Reads only the `model` entries, in this process (no process group), with a reader that runs
+    no pickled code from the checkpoint (vlrl.workers.checkpoint_io). Same calls as torch 2.13's
+    `format_utils.dcp_to_torch_save`, minus its `torch.save` / `torch.load(weights_only=False)`
+    round trip: `dcp.load` would not fill an empty dict, the planner rebuilds it from the metadata.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from vlrl.workers.checkpoint_io import SafeFileSystemReader
+
+    state: dict = {}
+    _load_state_dict(
+        state,
+        storage_reader=SafeFileSystemReader(dcp_dir),
+        planner=_EmptyStateDictLoadPlanner(keys={"model"}),
+        no_dist=True,
+    )
+    return dict(state["model"])
 
 
 def merge(local_dir: str, target_dir: str | None = None, dtype: str = "float32") -> str:

@@ -8,14 +8,19 @@ Layout under `trainer.save_checkpoint_path`:
     checkpoint_tracker.json   {"latest": N, "best": M, "best_score": x}, replaced atomically
 
 A crash (or kill -9) at any moment leaves either the previous complete checkpoint or the new one.
+The ranks write their shards into the folder and the driver completes it, so the folder must be
+shared by all nodes: `check_shared_filesystem` verifies that at start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import socket
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +100,59 @@ class CheckpointManager:
         for name in os.listdir(self.root):  # leftovers of interrupted saves
             if name.endswith(".tmp") and name.startswith("global_step_"):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+
+def probe_shared_path(marker: str, token: str, rank: int) -> tuple[bool, str]:
+    """Rank side of `check_shared_filesystem`: (saw the driver's marker, this host's name).
+
+    A rank that sees it answers with a file of its own next to it, for the driver to find."""
+    try:
+        with open(marker) as f:
+            seen = f.read() == token
+    except OSError:
+        seen = False
+    if seen:
+        with open(f"{marker}.rank{rank}", "w") as f:
+            f.write(token)
+    return seen, socket.gethostname()
+
+
+def check_shared_filesystem(root: str, probe_ranks: Callable[[str, str], list[tuple[bool, str]]]) -> None:
+    """Every rank writes its checkpoint shards under `root` and the driver completes the checkpoint
+    there (trainer state, rename), so `root` must be one folder for all of them: shared storage on a
+    multi-node cluster. Checked once at start-up, before any training time is spent.
+
+    `probe_ranks(marker, token)` runs `probe_shared_path` on every rank and returns their answers."""
+    os.makedirs(root, exist_ok=True)
+    token = uuid.uuid4().hex
+    marker = os.path.join(root, f".vlrl_shared_check_{token}")
+    with open(marker, "w") as f:
+        f.write(token)
+        f.flush()
+        os.fsync(f.fileno())
+    answers: list[tuple[bool, str]] = []
+    try:
+        answers = probe_ranks(marker, token)
+        blind = [f"rank {r} on {host}" for r, (seen, host) in enumerate(answers) if not seen]
+        unseen = [
+            f"rank {r} on {host}"
+            for r, (seen, host) in enumerate(answers)
+            if seen and not os.path.isfile(f"{marker}.rank{r}")
+        ]
+    finally:
+        for path in [marker] + [f"{marker}.rank{r}" for r in range(len(answers))]:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+    if blind or unseen:
+        raise RuntimeError(
+            f"trainer.save_checkpoint_path={root} is not one folder shared by the driver "
+            f"({socket.gethostname()}) and every rank: "
+            + (f"{', '.join(blind)} cannot see a file the driver wrote there" if blind else "")
+            + ("; " if blind and unseen else "")
+            + (f"the driver cannot see the files of {', '.join(unseen)}" if unseen else "")
+            + ". Every rank writes its checkpoint shards there and the driver completes the checkpoint:"
+            " point it at shared storage (NFS or a cluster filesystem mounted at the same path on all nodes)"
+        )
 
 
 def read_state(checkpoint: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from vlrl.config import PPOConfig
 from vlrl.models.sampling import truncation_warning
 from vlrl.protocol import PromptBatch, RolloutBatch
 from vlrl.rewards import RewardRunner, build_reward_inputs, scores_to_token_level
-from vlrl.trainer.checkpoint import CheckpointManager, read_state
+from vlrl.trainer.checkpoint import CheckpointManager, check_shared_filesystem, read_state
 from vlrl.trainer.data_setup import TrainingData
 from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, split_prompts
 from vlrl.trainer.loggers import Tracker
@@ -72,6 +72,10 @@ class RayPPOTrainer:
             logger.warning(warning)
         start_ray(config)
         self.ranks = RankGroup(config)
+        check_shared_filesystem(  # before the (long) model loading
+            config.trainer.save_checkpoint_path,
+            lambda *probe: self.ranks.call_all("probe_shared_path", *probe),
+        )
         self.ranks.call_all("setup", self.data.max_images_per_prompt, self._optimizer_steps())
 
     def _total_steps(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -51,19 +52,60 @@ def _free_port_and_ip() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks go: one bundle per node holding that node's ranks (`n_gpus_per_node`).
+
+    Ranks r*n .. r*n+n-1 share bundle r, so every tensor-parallel group (consecutive ranks, and
+    its size divides n: see config_checks) lies on one node. With several nodes the bundles go to
+    distinct nodes (STRICT_SPREAD), matching trainer.nnodes x trainer.n_gpus_per_node; one rank
+    per bundle with PACK (the former layout) let Ray split a node's ranks over any nodes."""
+
+    bundles: list[dict[str, float]]
+    strategy: str
+    bundle_of_rank: list[int]
+
+
+def rank_placement(config: PPOConfig) -> Placement:
+    per_node, nodes = config.trainer.n_gpus_per_node, config.trainer.nnodes
+    bundle = {"CPU": float(per_node)}
+    if config.trainer.device == "cuda":
+        bundle["GPU"] = float(per_node)
+    return Placement(
+        bundles=[dict(bundle) for _ in range(nodes)],
+        strategy="STRICT_SPREAD" if nodes > 1 else "PACK",
+        bundle_of_rank=[rank // per_node for rank in range(config.world_size)],
+    )
+
+
+def check_cluster_fits(config: PPOConfig, resources: dict[str, float]) -> None:
+    """Fail at once (not after a 10-minute placement wait) when the cluster lacks the GPUs."""
+    if config.trainer.device != "cuda":
+        return
+    gpus = resources.get("GPU", 0)
+    if gpus < config.world_size:
+        raise RuntimeError(
+            f"the Ray cluster has {gpus:g} GPUs, the run needs trainer.nnodes x trainer.n_gpus_per_node = "
+            f"{config.world_size}; lower them or add nodes"
+        )
+
+
 class RankGroup:
-    """The ranks of one training job, placed by a placement group (one bundle per rank)."""
+    """The ranks of one training job, placed by a placement group (see `rank_placement`)."""
 
     def __init__(self, config: PPOConfig) -> None:
         from vlrl.workers.rank_worker import RankWorker
 
         world = config.world_size
         gpu = config.trainer.device == "cuda"
-        bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
-        self.placement = placement_group([bundle] * world, strategy="PACK")
+        check_cluster_fits(config, ray.cluster_resources())
+        layout = rank_placement(config)
+        self.placement = placement_group(layout.bundles, strategy=layout.strategy)
         ray.get(self.placement.ready(), timeout=600)
         strategy = [
-            PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i)
+            PlacementGroupSchedulingStrategy(
+                self.placement, placement_group_bundle_index=layout.bundle_of_rank[i]
+            )
             for i in range(world)
         ]
         # The rendezvous address is rank 0's node, learnt by a task placed where rank 0 will run.

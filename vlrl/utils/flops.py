@@ -17,24 +17,39 @@ cached), so CPU MFU says how close the actor gets to plain matmul speed on these
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-# Dense bf16 tensor-core peaks (FLOP/s), by substring of torch.cuda.get_device_name().
-GPU_PEAK_BF16 = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe card is ~756e12
-    "H800": 989e12,
-    "H20": 148e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "L40S": 362e12,
-    "A10G": 70e12,
-    "4090": 165e12,
-}
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity; NVIDIA data sheets), matched in this order
+# against torch.cuda.get_device_name(): card variants first, as their names contain the family's.
+# Names as torch reports them, e.g. "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H100 NVL".
+GPU_PEAK_BF16: tuple[tuple[str, float], ...] = (
+    (r"\bH100 PCIe\b", 756e12),
+    (r"\bH100 NVL\b", 835e12),
+    (r"\bH100\b", 989e12),  # SXM (HBM3)
+    (r"\bH200 NVL\b", 835e12),
+    (r"\bH200\b", 989e12),
+    (r"\bH800 PCIe\b", 756e12),
+    (r"\bH800\b", 989e12),
+    (r"\bH20\b", 148e12),
+    (r"\bA100\b", 312e12),
+    (r"\bA800\b", 312e12),
+    (r"\bL40S\b", 362e12),
+    (r"\bA10G\b", 70e12),
+    (r"\b4090\b", 165e12),
+)
+
+
+def gpu_peak_bf16(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a GPU from its name (`torch.cuda.get_device_name`), None if unknown."""
+    for pattern, value in GPU_PEAK_BF16:
+        if re.search(pattern, device_name):
+            return value
+    return None
 
 
 def _text_config(hf_config: Any) -> Any:
@@ -92,10 +107,7 @@ def peak_flops(device: torch.device | str) -> float | None:
     if device.type == "cpu":
         return measured_cpu_peak()
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_BF16.items():
-            if key in name:
-                return value
+        return gpu_peak_bf16(torch.cuda.get_device_name(device))
     return None
 
 

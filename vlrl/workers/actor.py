@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import random
 import time
 from typing import Any
 
@@ -30,11 +29,20 @@ import torch.distributed as dist
 from torch import Tensor
 
 from vlrl.algorithms import aggregate_loss, compute_kl_loss, compute_policy_loss, count_tokens_and_seqs
-from vlrl.config import PPOConfig
+from vlrl.config import ActorConfig, PPOConfig
 from vlrl.models.loading import model_class
 from vlrl.protocol import RolloutBatch
 from vlrl.utils.flops import peak_flops, training_flops
-from vlrl.workers.fsdp import full_state_dict, move_optimizer_state, move_params
+from vlrl.workers.checkpoint_io import (
+    SafeFileSystemReader,
+    load_extra_state,
+    restore_state_placement,
+    rng_state,
+    save_extra_state,
+    set_rng_state,
+    state_placement,
+)
+from vlrl.workers.fsdp import fsdp_offloads_to_cpu, full_state_dict, move_optimizer_state, move_params
 from vlrl.workers.optim import build_lr_scheduler, build_optimizer, clip_and_step
 from vlrl.workers.reference import ShardedModel
 from vlrl.workers.vision import VisionCache
@@ -89,6 +97,26 @@ class _UpdateStats:
         return out
 
 
+def manual_offload(cfg: ActorConfig, device: torch.device) -> tuple[bool, bool]:
+    """(offload_params, offload_optimizer) that the actor does itself between phases.
+
+    None on CPU (no device memory to free). None with FSDP's CPU offload either: the shards already
+    live on CPU, so AdamW creates its states there too, and moving either to the GPU would break
+    FSDP's placement (the optimizer step needs its states where the parameters are)."""
+    wanted = cfg.offload.offload_params or cfg.offload.offload_optimizer
+    if device.type != "cuda":
+        if wanted:
+            logger.info("worker.actor.offload is ignored on CPU: the weights already live in host memory")
+        return False, False
+    if fsdp_offloads_to_cpu(cfg.fsdp, device):
+        if wanted:
+            logger.info(
+                "worker.actor.offload is ignored with fsdp.enable_cpu_offload: FSDP keeps the shards on CPU"
+            )
+        return False, False
+    return cfg.offload.offload_params, cfg.offload.offload_optimizer
+
+
 class Actor(ShardedModel):
     """The policy being trained. `module` is the FSDP2-wrapped HF model (its state_dict holds DTensors).
 
@@ -125,11 +153,7 @@ class Actor(ShardedModel):
         self.set_total_steps(total_steps if total_steps is not None else default_total_steps(config))
         self.global_step = 0  # optimizer steps attempted (skipped ones included)
         self.skipped_steps = 0  # over the whole run
-        on_gpu = self.device.type == "cuda"
-        self.offload_params = cfg.offload.offload_params and on_gpu  # no-op on CPU: nothing to free
-        self.offload_optimizer = cfg.offload.offload_optimizer and on_gpu
-        if not on_gpu and (cfg.offload.offload_params or cfg.offload.offload_optimizer):
-            logger.info("worker.actor.offload is ignored on CPU: the weights already live in host memory")
+        self.offload_params, self.offload_optimizer = manual_offload(cfg, self.device)
 
     def set_total_steps(self, total_steps: int | None) -> None:
         """Optimizer steps of the whole run (for warm-up ratio and cosine); rebuilds the schedule."""
@@ -302,9 +326,9 @@ class Actor(ShardedModel):
             "scheduler": self.scheduler.state_dict(),
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
-            "rng": _rng_state(),
+            "rng": rng_state(),
         }
-        torch.save(extra, os.path.join(path, f"extra_state_rank{self.rank}.pt"))
+        save_extra_state(os.path.join(path, f"extra_state_rank{self.rank}.pt"), extra)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
@@ -312,16 +336,21 @@ class Actor(ShardedModel):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)  # creates missing optim states
+        placement = state_placement(self.optimizer)  # before load_state_dict recasts them
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(path, "dcp")))
         set_state_dict(
             self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-        extra = torch.load(os.path.join(path, f"extra_state_rank{self.rank}.pt"), weights_only=False)
+        del state, model_sd, optim_sd  # the optimizer now holds recast copies; free the loaded originals
+        restore_state_placement(self.optimizer, placement)
+        if self.offload_optimizer:
+            move_optimizer_state(self.optimizer, "cpu")  # where update_policy leaves it between steps
+        extra = load_extra_state(os.path.join(path, f"extra_state_rank{self.rank}.pt"))
         self.scheduler.load_state_dict(extra["scheduler"])
         self.global_step, self.skipped_steps = extra["global_step"], extra["skipped_steps"]
-        _set_rng_state(extra["rng"])
+        set_rng_state(extra["rng"])
         dist.barrier()
 
     def save_hf(self, path: str) -> None:
@@ -332,27 +361,14 @@ class Actor(ShardedModel):
             config.use_cache = True
             text = getattr(config, "text_config", None) or config
             text._attn_implementation = "sdpa"  # our packed attention is not registered elsewhere
+            if getattr(config, "vision_config", None) is not None:
+                config.vision_config._attn_implementation = "sdpa"  # nor our vision attention
             with torch.device("meta"):
                 model = model_class(config).from_config(config)
             model.load_state_dict(state, assign=True, strict=True)
             model.save_pretrained(path)
             self.tokenizer_or_processor().save_pretrained(path)
         dist.barrier()
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def gathered_grads(module: torch.nn.Module) -> dict[str, Tensor]:

@@ -3,7 +3,8 @@
 Units: every module whose class is listed in the model's `_no_split_modules` (decoder layers and
 vision blocks), then the vision tower as a whole (patch embed + merger), then the root (embeddings,
 final norm, lm head). Each unit all-gathers its parameters just before its forward/backward and
-frees them after, so peak memory is about one layer's full weights plus the shards.
+frees them after, so peak memory is about one layer's full weights plus the shards. The root stays
+gathered from its forward through its backward (it would be re-gathered at once otherwise).
 
 Precision (`worker.actor.fsdp`):
 - GPU default: fp32 master weights, bf16 compute (`MixedPrecisionPolicy(param_dtype=bf16)`),
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from vlrl.config import FSDPConfig
 from vlrl.models.loading import parse_dtype, vision_tower
@@ -67,6 +68,11 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return units
 
 
+def fsdp_offloads_to_cpu(fsdp: FSDPConfig, device: torch.device | str) -> bool:
+    """True when FSDP2 itself keeps the shards (and so the optimizer states) in host memory."""
+    return fsdp.enable_cpu_offload and torch.device(device).type == "cuda"
+
+
 def apply_fsdp(
     model: torch.nn.Module, device: torch.device, fsdp: FSDPConfig, mesh: DeviceMesh | None = None
 ) -> torch.nn.Module:
@@ -79,12 +85,29 @@ def apply_fsdp(
     mp = mixed_precision(fsdp, device)
     if mp is not None:
         kwargs["mp_policy"] = mp
-    if fsdp.enable_cpu_offload and device.type == "cuda":
+    if fsdp_offloads_to_cpu(fsdp, device):
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for unit in shard_units(model):
         fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+    # The root (embeddings, final norm, lm head) is the last unit of the forward and the first of
+    # the backward: freeing it after the forward only means gathering it again at once for every
+    # micro-batch's backward. Its gathered weights are freed after the backward (and after a
+    # forward without backward by `reshard`).
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters of every FSDP unit of `model`.
+
+    FSDP2 frees a unit's gathered parameters after its forward only with `reshard_after_forward`
+    (and never for the root, see `apply_fsdp`); otherwise only after the backward (torch 2.13,
+    torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, `post_forward` / `reshard`). A
+    forward without a backward (the reference policy, `enable_full_shard=false`) would leave the
+    whole model gathered. `FSDPModule.reshard` is not recursive, hence the loop."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def broadcast_weights_from_rank0(model: torch.nn.Module, full_state: dict[str, torch.Tensor] | None) -> None:

@@ -7,6 +7,7 @@ FSDP all-gathers and the weight sync are collectives: a rank that skipped a call
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
@@ -24,7 +25,10 @@ class RankWorker:
     ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
-        _init_process_group(config.trainer.device, rank, world_size, master_addr, master_port)
+        _init_process_group(
+            config.trainer.device, rank, world_size, master_addr, master_port,
+            timeout=datetime.timedelta(minutes=config.trainer.dist_timeout_minutes),
+        )  # fmt: skip
         self.device = torch.device(
             f"cuda:{torch.cuda.current_device()}" if config.trainer.device == "cuda" else "cpu"
         )
@@ -62,10 +66,18 @@ class RankWorker:
 
     # ------------------------------------------------------------------------- step phases
     def generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch:
-        """Sample responses for this rank's prompts (its data-parallel shard)."""
-        self.rollout.wake_up()
-        batch = self.rollout.generate(prompts, overrides)
-        self.rollout.sleep()
+        """Sample responses for this rank's prompts (its data-parallel shard).
+
+        The actor's shards leave the GPU first (`worker.actor.offload`) and the allocator's cached
+        blocks are released, so the engine can wake into that memory; they come back afterwards."""
+        self.actor.offload_to_cpu()
+        _release_cached_memory(self.device)
+        try:
+            self.rollout.wake_up()
+            batch = self.rollout.generate(prompts, overrides)
+            self.rollout.sleep()
+        finally:
+            self.actor.load_to_device()
         return batch
 
     def compute_log_probs(
@@ -107,6 +119,12 @@ class RankWorker:
         self.actor.load_checkpoint(path)
         return self.sync_weights()
 
+    def probe_shared_path(self, marker: str, token: str) -> tuple[bool, str]:
+        """Whether this rank sees the driver's checkpoint folder (`check_shared_filesystem`)."""
+        from vlrl.trainer.checkpoint import probe_shared_path
+
+        return probe_shared_path(marker, token, self.rank)
+
     def shutdown(self) -> None:
         if self.rollout is not None:
             self.rollout.close()
@@ -114,8 +132,32 @@ class RankWorker:
             torch.distributed.destroy_process_group()
 
 
-def _init_process_group(device: str, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-    """torch.distributed first (vLLM's external_launcher joins this world), from env vars."""
+def process_group_backend(device: str) -> str:
+    """The default group's backends: NCCL for CUDA tensors and, on GPU, gloo for CPU tensors.
+
+    FSDP2's CPU offload (`fsdp.enable_cpu_offload`) keeps the sharded parameters and gradients on
+    CPU, so the weight sync's `full_tensor()` and the grad-norm all-reduce are collectives on CPU
+    tensors. A group made with plain "nccl" has no CPU backend (torch 2.13,
+    torch/distributed/distributed_c10d.py, `BackendConfig.__init__`: a single backend name maps
+    only the devices in `Backend.backend_capability`, which for nccl is ["cuda"]), so those calls
+    would fail with "No backend type associated with device type cpu"."""
+    return "cuda:nccl,cpu:gloo" if device == "cuda" else "gloo"
+
+
+def _release_cached_memory(device: torch.device) -> None:
+    """Hand the CUDA caching allocator's free blocks back to the driver (for the rollout engine)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _init_process_group(
+    device: str, rank: int, world_size: int, master_addr: str, master_port: int, timeout: datetime.timedelta
+) -> None:
+    """torch.distributed first (vLLM's external_launcher joins this world), from env vars.
+
+    `timeout` (`trainer.dist_timeout_minutes`) bounds every collective, including the weight
+    broadcast in which ranks > 0 wait while rank 0 reads the checkpoint (torch's NCCL default is
+    10 minutes, less than reading a large model from network storage can take)."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank if device == "cpu" else 0), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
@@ -123,10 +165,10 @@ def _init_process_group(device: str, rank: int, world_size: int, master_addr: st
     if device == "cuda":
         # Ray gives each rank one GPU via CUDA_VISIBLE_DEVICES, so the local device is always 0.
         torch.cuda.set_device(0)
-        backend = "nccl"
+        backend = process_group_backend(device)
     else:
         # Share the machine's cores between the ranks instead of oversubscribing them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        backend = "gloo"
+        backend = process_group_backend(device)
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)

@@ -22,7 +22,14 @@ from vlrl.models.packing import LogProbOutput, build_packed_inputs, build_padded
 from vlrl.models.sampling import SamplingDistribution, banned_token_ids
 from vlrl.protocol import RolloutBatch
 from vlrl.workers.balance import count_micro_batches, micro_batches_by_tokens
-from vlrl.workers.fsdp import apply_fsdp, broadcast_weights_from_rank0, master_dtype, move_params, world_info
+from vlrl.workers.fsdp import (
+    apply_fsdp,
+    broadcast_weights_from_rank0,
+    master_dtype,
+    move_params,
+    reshard,
+    world_info,
+)
 from vlrl.workers.vision import VisionCache, dummy_image_anchor, text_anchor
 
 
@@ -229,7 +236,8 @@ class Reference(ShardedModel):
             trainable=False,
             vision_cache=vision_cache,
         )
-        self.offload = ref.offload_params and self.device.type == "cuda"
+        # with FSDP's CPU offload the shards already stay on CPU and FSDP moves them in itself
+        self.offload = ref.offload_params and self.device.type == "cuda" and not fsdp_cfg.enable_cpu_offload
         if self.offload:
             move_params(self.module, "cpu")
 
@@ -244,6 +252,7 @@ class Reference(ShardedModel):
         try:
             return super().compute_log_probs(batch, temperature)
         finally:
+            reshard(self.module)  # no backward follows: free what the forward gathered
             if self.offload:
                 move_params(self.module, "cpu")
             if self.vision is not None and self.owns_vision_cache:
