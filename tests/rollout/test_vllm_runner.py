@@ -19,39 +19,45 @@ VOCAB = 12
 BANNED = [3, 7, 40]  # 40 is outside the vocabulary: ignored
 
 
-def vllm_picks_v2(monkeypatch: pytest.MonkeyPatch, has_triton: bool, env: str | None) -> bool:
-    """vLLM 0.32's own choice (`VllmConfig.use_v2_model_runner`) for our parallel layout."""
+def vllm_picks_v2(
+    monkeypatch: pytest.MonkeyPatch, model_path: str, has_triton: bool, env: str | None
+) -> tuple[bool, dict]:
+    """vLLM 0.32's own runner choice (`VllmConfig.use_v2_model_runner`) for the engine config our
+    `llm_kwargs` builds for a GPU rank, and those kwargs. `has_triton`: True as with the CUDA wheel."""
     import vllm.config.vllm as vllm_config_module
     import vllm.envs
-    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
 
-    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", has_triton)  # CUDA wheel: Triton present
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", has_triton)
     # vllm.envs caches values once an engine ran in this process: set the attribute it returns.
     monkeypatch.setattr(
         vllm.envs, "VLLM_USE_V2_MODEL_RUNNER", vllm.envs.maybe_convert_bool(env), raising=False
     )
-    parallel = ParallelConfig(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
-    return VllmConfig(parallel_config=parallel).use_v2_model_runner
+    use_v2 = vllm_hooks.uses_v2_runner(has_triton=has_triton)
+    kwargs = gpu_kwargs(use_v2, tp=1, model_path=model_path)
+    # `LLM()` turns its arguments into EngineArgs the same way; this CPU platform refuses sleep mode.
+    engine_args = EngineArgs(**{k: v for k, v in kwargs.items() if k != "enable_sleep_mode"})
+    return engine_args.create_engine_config().use_v2_model_runner, kwargs
 
 
 @pytest.mark.parametrize(("has_triton", "env"), [(True, None), (False, None), (True, "0"), (True, "1")])
-def test_runner_choice_matches_vllm(monkeypatch, has_triton, env):
+def test_runner_choice_matches_vllm(monkeypatch, tiny_model, has_triton, env):
     """CUDA (Triton present, nothing set) -> V2; CPU build (no Triton) -> V1; the env var wins."""
     if env is None:
         monkeypatch.delenv(vllm_hooks.V2_RUNNER_ENV, raising=False)
     else:
         monkeypatch.setenv(vllm_hooks.V2_RUNNER_ENV, env)
     ours = vllm_hooks.uses_v2_runner(has_triton=has_triton)
-    assert ours == vllm_picks_v2(monkeypatch, has_triton, env)
-    assert ours == (has_triton if env is None else env == "1")
+    vllm_choice, _ = vllm_picks_v2(monkeypatch, tiny_model("qwen2_5_vl"), has_triton, env)
+    assert ours == vllm_choice == (has_triton if env is None else env == "1")
 
 
-def gpu_kwargs(use_v2: bool, tp: int = 2, visible_gpus: int = 1, **config) -> dict:
+def gpu_kwargs(use_v2: bool, tp: int = 2, visible_gpus: int = 1, model_path: str = "/m", **config) -> dict:
     """`LLM(...)` arguments for a simulated GPU rank (Ray: one visible GPU per rank by default)."""
     return llm_kwargs(
         rollout_config(tensor_parallel_size=tp, dtype="bf16", **config),
-        model_path="/m",
-        tokenizer_path="/m",
+        model_path=model_path,
+        tokenizer_path=model_path,
         max_model_len=1024,
         seed=3,
         limit_images=2,
@@ -62,17 +68,16 @@ def gpu_kwargs(use_v2: bool, tp: int = 2, visible_gpus: int = 1, **config) -> di
     )
 
 
-def test_processor_class_passes_the_check_of_the_runner_vllm_picks_on_cuda(monkeypatch):
+def test_processor_class_passes_the_check_of_the_runner_vllm_picks_on_cuda(monkeypatch, tiny_model):
     """The check `LLM()` runs in its frontend (`InputProcessor._build_logits_processors_params_validator`)
     accepts our class for the runner vLLM picks on CUDA; the V1 class (vlrl before the fix) fails it."""
     from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
     from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors_params_validator
 
     monkeypatch.delenv(vllm_hooks.V2_RUNNER_ENV, raising=False)
-    use_v2 = vllm_hooks.uses_v2_runner(has_triton=True)
-    assert use_v2 and vllm_picks_v2(monkeypatch, True, None)
-    processors = gpu_kwargs(use_v2)["logits_processors"]
-    build_custom_logits_processors_params_validator(processors)  # raises for a non-V2 class
+    runs_v2, kwargs = vllm_picks_v2(monkeypatch, tiny_model("qwen2_5_vl"), True, None)
+    assert runs_v2
+    build_custom_logits_processors_params_validator(kwargs["logits_processors"])  # raises for a non-V2 class
     with pytest.raises(ValueError, match="is not a subclass"):
         build_custom_logits_processors_params_validator([vllm_hooks.ban_tokens_processor(BANNED, False)])
     # And the V1 runner (CPU) accepts the V1 class.
