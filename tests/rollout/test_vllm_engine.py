@@ -25,7 +25,7 @@ from rollout_helpers import (
 )
 
 from vlrl.models.processor import load_processor
-from vlrl.rollout import NoWeightsError, create_rollout_engine, sync_weights
+from vlrl.rollout import NoWeightsError, create_rollout_engine, sync_weights, vllm_hooks
 from vlrl.rollout.vllm_hooks import REPEATED_LOGS
 
 GREEDY = {"temperature": 0.0, "n": 1}
@@ -115,6 +115,28 @@ def test_repeated_vllm_log_lines_are_dropped(vl):
             logger.removeHandler(handler)
             logger.setLevel(level)
     assert [r.getMessage() for r in records] == ["another message"] * len(loggers)
+
+
+def test_weight_sync_logs_no_reload_warning(vl):
+    """vLLM's layerwise reload warned "RotaryEmbedding / MRotaryEmbedding / FusedMMInputNorm: Failed to
+    load weights" at every sync (layers holding only buffers no checkpoint contains): dropped."""
+    synced(vl)
+    logger = logging.getLogger(vllm_hooks.RELOAD_WARNING_LOGGER)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        sync_weights(vl.base, vl.engine, bucket_mb=1)
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+
+
+def test_cpu_engine_runs_the_v1_runner(vl):
+    """On CPU (no Triton) vLLM runs its V1 model runner, the one the engine built its processor for."""
+    assert vl.engine.use_v2 is False
+    assert vl.engine.llm.llm_engine.vllm_config.use_v2_model_runner is False
 
 
 def test_seeds_repeat_and_differ(vl):

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterator, Mapping
+import random
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -67,6 +68,59 @@ def _dist_layout(tp: int) -> tuple[int, int]:
     return rank, rank // tp
 
 
+def llm_kwargs(
+    config: Any,
+    *,
+    model_path: str,
+    tokenizer_path: str,
+    max_model_len: int,
+    seed: int,
+    limit_images: int | None,
+    banned_token_ids: Sequence[int],
+    on_gpu: bool,
+    visible_gpus: int,
+    use_v2_runner: bool,
+    kv_cache_bytes: int | None = None,
+) -> dict[str, Any]:
+    """The `vllm.LLM(...)` arguments for one rank (pure: tested without building an engine).
+
+    limit_images: images per prompt, None for a text model. visible_gpus: GPUs this process sees
+    (`torch.cuda.device_count()`; 1 under Ray). use_v2_runner: `vllm_hooks.uses_v2_runner()`.
+    kv_cache_bytes: CPU only, the explicit KV-cache size (`vllm_hooks.cpu_kv_cache_bytes`).
+    """
+    c = config
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        tokenizer=tokenizer_path,
+        dtype=VLLM_DTYPES[c.dtype],
+        seed=seed,
+        tensor_parallel_size=c.tensor_parallel_size,
+        distributed_executor_backend="external_launcher",
+        load_format=vllm_hooks.DUMMY_LOAD_FORMAT,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=c.max_num_batched_tokens,
+        max_num_seqs=c.max_num_seqs,
+        enable_chunked_prefill=c.enable_chunked_prefill,
+        enforce_eager=c.enforce_eager or not on_gpu,  # CPU: no graphs, skip compilation
+        gpu_memory_utilization=c.gpu_memory_utilization,
+        logits_processors=[vllm_hooks.ban_tokens_processor(banned_token_ids, use_v2_runner)],
+        # log-probs after temperature and the token ban: what the actor recomputes
+        logprobs_mode="processed_logprobs",
+        disable_log_stats=True,
+    )
+    if limit_images is not None:
+        kwargs["limit_mm_per_prompt"] = {"image": limit_images, "video": 0}
+    if c.enable_sleep_mode and on_gpu:  # vLLM refuses sleep mode on CPU
+        kwargs["enable_sleep_mode"] = True
+    if on_gpu and not vllm_hooks.custom_all_reduce_usable(c.tensor_parallel_size, visible_gpus):
+        # Each rank sees only its own GPU (Ray): vLLM's custom all-reduce would index
+        # CUDA_VISIBLE_DEVICES by peer rank and fail; NCCL all-reduces instead.
+        kwargs["disable_custom_all_reduce"] = True
+    if kv_cache_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+    return kwargs
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """`vllm.LLM` in SPMD mode behind the `RolloutEngine` interface."""
 
@@ -96,6 +150,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self.bucket_mb = config.sync_bucket_mb
         self.on_gpu = torch.cuda.is_available()
         self.sleep_enabled = bool(config.enable_sleep_mode) and self.on_gpu  # refused on CPU by vLLM
+        self.use_v2 = vllm_hooks.uses_v2_runner()
+        # V2 runner, calls without a seed: the engine's own stream of call seeds (TP peers agree).
+        self._call_seeds = random.Random(config.seed + self.dp_rank)
         self._check_limits()
         self.llm = self._build_llm(model_path, tokenizer)
         self.has_weights = False
@@ -127,50 +184,52 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm import LLM
 
         vllm_hooks.silence_repeated_logs()
+        vllm_hooks.register_dummy_loader()
         c = self.config
-        kwargs: dict[str, Any] = {}
-        if self.is_vision:
-            kwargs["limit_mm_per_prompt"] = {"image": self.limit_images, "video": 0}
-        if self.sleep_enabled:
-            kwargs["enable_sleep_mode"] = True
+        kv_cache_bytes = None
         if not self.on_gpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             import psutil
 
             cap = int(c.gpu_memory_utilization * psutil.virtual_memory().total)
-            kwargs["kv_cache_memory_bytes"] = vllm_hooks.cpu_kv_cache_bytes(
+            kv_cache_bytes = vllm_hooks.cpu_kv_cache_bytes(
                 self.hf_config, self.weight_dtype, self.max_model_len, c.max_num_seqs, cap
             )
-        return LLM(
-            model=model_path,
-            tokenizer=getattr(tokenizer, "name_or_path", None) or model_path,
-            dtype=VLLM_DTYPES[c.dtype],
-            seed=c.seed + self.dp_rank,
-            tensor_parallel_size=c.tensor_parallel_size,
-            distributed_executor_backend="external_launcher",
-            load_format=vllm_hooks.register_dummy_loader(),
+        kwargs = llm_kwargs(
+            c,
+            model_path=model_path,
+            tokenizer_path=getattr(tokenizer, "name_or_path", None) or model_path,
             max_model_len=self.max_model_len,
-            max_num_batched_tokens=c.max_num_batched_tokens,
-            max_num_seqs=c.max_num_seqs,
-            enable_chunked_prefill=c.enable_chunked_prefill,
-            enforce_eager=c.enforce_eager or not self.on_gpu,  # CPU: no graphs, skip compilation
-            gpu_memory_utilization=c.gpu_memory_utilization,
-            logits_processors=[vllm_hooks.ban_tokens_processor(self.banned_token_ids)],
-            # log-probs after temperature and the token ban: what the actor recomputes
-            logprobs_mode="processed_logprobs",
-            disable_log_stats=True,
-            **kwargs,
+            seed=c.seed + self.dp_rank,
+            limit_images=self.limit_images if self.is_vision else None,
+            banned_token_ids=self.banned_token_ids,
+            on_gpu=self.on_gpu,
+            visible_gpus=torch.cuda.device_count() if self.on_gpu else 0,
+            use_v2_runner=self.use_v2,
+            kv_cache_bytes=kv_cache_bytes,
         )
+        # Pin the runner the processor class was built for (vLLM reads this in `LLM()`).
+        os.environ[vllm_hooks.V2_RUNNER_ENV] = "1" if self.use_v2 else "0"
+        llm = LLM(**kwargs)
+        runs_v2 = bool(llm.llm_engine.vllm_config.use_v2_model_runner)
+        if runs_v2 != self.use_v2:
+            raise RuntimeError(
+                f"vLLM chose its {'V2' if runs_v2 else 'V1'} model runner although vlrl pinned "
+                f"{vllm_hooks.V2_RUNNER_ENV}={os.environ[vllm_hooks.V2_RUNNER_ENV]}: this vLLM version is not "
+                "the one vlrl supports (0.32); see vlrl/rollout/vllm_hooks.py::uses_v2_runner"
+            )
+        return llm
 
     @property
     def weight_dtype(self) -> torch.dtype:
         return getattr(torch, VLLM_DTYPES[self.config.dtype])
 
     # ------------------------------------------------------------------------ generation
-    def sampling_params(self, s: SamplingSettings) -> Any:
-        """vLLM `SamplingParams` for one call (token ids only: no detokenization)."""
+    def sampling_params(self, s: SamplingSettings, seed: int | None = None) -> Any:
+        """vLLM `SamplingParams` for one call or one request (token ids only: no detokenization)."""
         from vllm import SamplingParams
 
         return SamplingParams(
+            seed=seed,
             n=1 if s.greedy else s.n,
             temperature=s.temperature,
             top_p=s.top_p,
@@ -208,8 +267,7 @@ class VLLMRolloutEngine(RolloutEngine):
             return assemble_rollout_batch(prompts, [], s.n, self.pad_token_id, self.eos_token_ids)
         # An empty cache makes a call's scheduling, hence its sampling, a function of its inputs only.
         self.llm.reset_prefix_cache()
-        with seeded_rng(self.call_seed(s)):
-            outputs = self.llm.generate(self.requests(prompts), self.sampling_params(s), use_tqdm=False)
+        outputs = self._generate(self.requests(prompts), s)
         # vLLM refuses n > 1 with greedy sampling: ask for one and repeat it (the copies are equal).
         copies = s.n if s.greedy else 1
         responses, log_probs = [], []
@@ -222,6 +280,24 @@ class VLLMRolloutEngine(RolloutEngine):
         return assemble_rollout_batch(
             prompts, responses, s.n, self.pad_token_id, self.eos_token_ids, log_probs if s.logprobs else None
         )
+
+    def _generate(self, requests: list[dict[str, Any]], s: SamplingSettings) -> list[Any]:
+        """Run one call, seeded the way the engine's model runner samples.
+
+        V1 runner (CPU): from torch's default generator, reseeded for the call (`seeded_rng`); no
+        per-request generators, which would cost a Python loop per request per step
+        (`random_sample`, vllm/v1/sample/ops/topk_topp_sampler.py). V2 runner (CUDA default): from
+        per-request seeds (`vllm_hooks.request_seeds`), which also keep TP peers in step.
+        """
+        if not self.use_v2:
+            with seeded_rng(self.call_seed(s)):
+                return self.llm.generate(requests, self.sampling_params(s), use_tqdm=False)
+        seed = self.call_seed(s)
+        if seed is None:
+            seed = self._call_seeds.getrandbits(62)
+        n = 1 if s.greedy else s.n
+        params = [self.sampling_params(s, r) for r in vllm_hooks.request_seeds(seed, len(requests), n)]
+        return self.llm.generate(requests, params, use_tqdm=False)
 
     # ------------------------------------------------------------------------ weights
     def map_weight_name(self, name: str) -> str:

