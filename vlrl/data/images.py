@@ -17,6 +17,8 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from vlrl.data.image_modes import ImageModeProblem, to_rgb
+
 MAX_ASPECT_RATIO = 200  # Qwen-VL refuses images more elongated than this
 
 
@@ -68,6 +70,8 @@ def check_exists(value: Any, image_dir: str) -> None:
         if isinstance(value, dict):
             return
         raise ImageProblem(f"unsupported image value of type {type(value).__name__}")
+    if os.path.isdir(path):
+        raise ImageProblem(f"image path {path} is a directory, not an image file")
     if not os.path.isfile(path):
         raise ImageProblem(f"image file {path} does not exist")
 
@@ -86,6 +90,15 @@ def _open(value: Any, image_dir: str) -> Image.Image:
     except (UnidentifiedImageError, OSError) as err:
         where = path if path is not None else describe(value)
         raise ImageProblem(f"image {where} is not a readable image ({err})") from err
+    except Image.DecompressionBombError as err:
+        raise ImageProblem(_bomb_message(path or value, err)) from err
+
+
+def _bomb_message(value: Any, err: Exception) -> str:
+    return (
+        f"image {describe(value)} is too large to decode safely ({err}); shrink the image, or raise "
+        "PIL.Image.MAX_IMAGE_PIXELS if you trust the file"
+    )
 
 
 def probe_size(value: Any, image_dir: str) -> tuple[int, int]:
@@ -97,26 +110,20 @@ def probe_size(value: Any, image_dir: str) -> tuple[int, int]:
     return size
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
-    """RGB; transparent pixels become white (as qwen-vl-utils does)."""
-    if image.mode == "RGB":
-        return image
-    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGB", rgba.size, (255, 255, 255))
-        background.paste(rgba, mask=rgba.getchannel("A"))
-        return background
-    return image.convert("RGB")
-
-
 def load_image(value: Any, image_dir: str) -> Image.Image:
-    """Decode an image cell into an RGB PIL image (raises ImageProblem on any decoding error)."""
+    """Decode an image cell into an RGB PIL image (raises ImageProblem on any decoding error).
+
+    Every mode is converted by `image_modes.to_rgb` (16-bit scaled, alpha over white, ...)."""
     image = _open(value, image_dir)
     try:
         image.load()
-        return _to_rgb(image)
+        return to_rgb(image)
+    except ImageModeProblem as err:
+        raise ImageProblem(f"image {describe(value)}: {err}") from err
     except (OSError, ValueError, SyntaxError) as err:
         raise ImageProblem(f"image {describe(value)} could not be decoded ({err})") from err
+    except Image.DecompressionBombError as err:  # raised by load() for some formats
+        raise ImageProblem(_bomb_message(value, err)) from err
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
