@@ -88,7 +88,11 @@ class DataConfig(_Section):
     filter_overlong_prompts_workers: int = 1
     """Accepted for EasyR1 configs; the length check runs in one process (thousands of rows/s)."""
     skip_bad_rows: bool = False
-    """Skip (and count) rows with missing images or mismatched `<image>` markers instead of failing."""
+    """Skip (and count) bad rows (missing or undecodable images, mismatched `<image>` markers, ...)
+    instead of failing, at start-up and when a row fails later (replaced by another row of the epoch)."""
+    image_check_cache_dir: str | None = None
+    """Folder of the start-up image check's cache (images already decoded once, keyed by path, size and
+    mtime or by content hash); None: `$XDG_CACHE_HOME/vlrl/image_checks` (`~/.cache/vlrl/image_checks`)."""
 
 
 # ---------------------------------------------------------------------------------- algorithm

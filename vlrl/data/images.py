@@ -35,7 +35,7 @@ def image_list(cell: Any) -> list[Any]:
     return [cell]
 
 
-def _path_of(value: Any, image_dir: str) -> str | None:
+def image_path(value: Any, image_dir: str) -> str | None:
     """Filesystem path of a path-like cell (or a dict with only a path); None for in-memory images."""
     if isinstance(value, dict):
         if value.get("bytes") is not None:
@@ -65,7 +65,7 @@ def check_exists(value: Any, image_dir: str) -> None:
     """Raise ImageProblem when a path-like image does not exist or the form is unknown."""
     if isinstance(value, Image.Image) or (isinstance(value, (bytes, bytearray)) and value):
         return
-    path = _path_of(value, image_dir)
+    path = image_path(value, image_dir)
     if path is None:
         if isinstance(value, dict):
             return
@@ -81,7 +81,7 @@ def _open(value: Any, image_dir: str) -> Image.Image:
     if isinstance(value, Image.Image):
         return value
     check_exists(value, image_dir)
-    path = _path_of(value, image_dir)
+    path = image_path(value, image_dir)
     source: Any = (
         path if path is not None else io.BytesIO(value["bytes"] if isinstance(value, dict) else value)
     )
