@@ -4,7 +4,8 @@
 - a .json (a list of records, or JSON lines), .jsonl, .parquet or .csv file,
 - a folder: every such file under it (recursively, sorted by path),
 - several of the above separated by commas,
-- a hub dataset `org/name@split` (split defaults to `train`; needs network access).
+- a hub dataset `org/name@split` (split defaults to `train`; needs network access or the local
+  cache); an entry that looks local (see `vlrl.path_checks.looks_local`) is never sent to the hub.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from vlrl.path_checks import closest_existing, hub_dataset_problem, looks_local
 
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 _HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\-\[\]:%]+)?$")
@@ -55,8 +58,20 @@ def _folder_files(folder: str) -> list[str]:
     return sorted(found)
 
 
-def resolve_files(spec: str | Sequence[str]) -> list[str]:
-    """Data files (and hub names) named by `spec`, in order; raises DataError for unusable entries."""
+def _is_hub_name(entry: str) -> bool:
+    """`org/name[@split]` that is not a local path (vlrl.path_checks rule) and has no data-file extension."""
+    name = entry.split("@")[0]
+    return (
+        bool(_HUB_NAME.match(entry))
+        and not looks_local(name)
+        and os.path.splitext(name)[1].lower() not in DATA_EXTENSIONS
+    )
+
+
+def resolve_files(spec: str | Sequence[str], check_hub: bool = False) -> list[str]:
+    """Data files (and hub names) named by `spec`, in order; raises DataError for unusable entries.
+
+    `check_hub`: also check that hub datasets are cached or reachable (a few seconds at most)."""
     out: list[str] = []
     for entry in _split_spec(spec):
         if os.path.isdir(entry):
@@ -67,12 +82,13 @@ def resolve_files(spec: str | Sequence[str]) -> list[str]:
                 kinds = ", ".join(DATA_EXTENSIONS)
                 raise DataError(f"unknown file type {ext or '(none)'!r}; expected one of {kinds}", file=entry)
             out.append(entry)
-        elif (
-            _HUB_NAME.match(entry) and os.path.splitext(entry.split("@")[0])[1].lower() not in DATA_EXTENSIONS
-        ):
+        elif _is_hub_name(entry):
+            problem = hub_dataset_problem(entry) if check_hub else None
+            if problem is not None:
+                raise DataError(problem)
             out.append(entry)  # hub dataset
         else:
-            raise DataError("no such file or folder", file=entry)
+            raise DataError(f"no such file or folder{closest_existing(entry)}", file=entry)
     if not out:
         raise DataError(f"no data files given ({spec!r})")
     return out
