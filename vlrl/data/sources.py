@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlrl.path_checks import closest_existing, hub_dataset_problem, looks_local
+
+logger = logging.getLogger("vlrl.data")
 
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 _HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\-\[\]:%]+)?$")
@@ -126,19 +129,27 @@ def load_source(entry: str, image_dir: str | None, image_key: str) -> Source:
     """Load one file or hub split with `datasets` (errors name the entry)."""
     from datasets import load_dataset
 
+    from vlrl.data.text_files import json_problem, scan_text_file
+
     is_file = os.path.isfile(entry)
+    kind = DATA_EXTENSIONS[os.path.splitext(entry)[1].lower()] if is_file else "hub"
+    scan = scan_text_file(entry, kind) if kind in ("json", "csv") else None
     try:
         with _quiet_datasets():
             if is_file:
-                kind = DATA_EXTENSIONS[os.path.splitext(entry)[1].lower()]
                 dataset = load_dataset(kind, data_files=entry, split="train")
             else:
                 name, _, split = entry.partition("@")
                 dataset = load_dataset(name, split=split or "train")
             dataset = _undecoded_images(dataset, image_key)
     except Exception as err:  # datasets raises many types; all mean "cannot load this entry"
+        problem = json_problem(entry, scan) if kind == "json" and scan is not None else None
+        if problem is not None:
+            raise problem from err
         what = "cannot be loaded" if is_file else "is not a local file and cannot be loaded from the hub"
         raise DataError(f"{what}: {type(err).__name__}: {err}", file=entry) from err
+    if scan is not None and scan.json_lines and scan.blank_lines:
+        logger.warning("%s: ignored %d blank lines (of %d lines)", entry, scan.blank_lines, scan.lines)
     if image_dir is None:
         image_dir = os.path.dirname(os.path.abspath(entry)) if is_file else os.getcwd()
     return Source(name=entry, dataset=dataset, image_dir=image_dir)
