@@ -121,6 +121,9 @@ def test_bad_keys_and_types(base: list[str], override: str, message: str) -> Non
         (["algorithm.online_filtering=true", "algorithm.filter_low=0.9", "algorithm.filter_high=0.1"],
          "algorithm.filter_low=0.9 must be < algorithm.filter_high=0.1"),
         (["data.format_prompt=/no/template.jinja"], "data.format_prompt: file '/no/template.jinja' does not exist"),
+        (["worker.reward.memory_limit_mb=10"], r"worker.reward.memory_limit_mb=10 must be >= 64 \(or null\)"),
+        (["worker.reward.memory_limit_mb=500", "worker.reward.num_workers=0"],
+         "worker.reward.memory_limit_mb caps worker processes: set worker.reward.num_workers >= 1"),
     ],
 )  # fmt: skip
 def test_cross_field_rules(base: list[str], overrides: list[str], message: str) -> None:

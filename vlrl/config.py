@@ -298,6 +298,10 @@ class RewardConfig(_Section):
     """Seconds one reward call may take before it counts as a failure."""
     on_failure: str = "raise"
     """What a failing sample does: raise (stop with the file, function and sample) or zero (score 0, counted)."""
+    memory_limit_mb: int | None = None
+    """Cap on each reward worker's address space in MiB (RLIMIT_AS, set before the reward file is imported,
+    so its imports count too): an allocation past it raises MemoryError in the reward, reported as out of
+    memory, instead of the machine swapping or the OOM killer ending the worker. None: no cap. Needs num_workers >= 1."""
 
 
 @dataclass

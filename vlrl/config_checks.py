@@ -170,6 +170,13 @@ def _check_reward(config: PPOConfig) -> list[str]:
         errors.append(f"worker.reward.num_workers={reward.num_workers} must be >= 0")
     if reward.timeout <= 0:
         errors.append(f"worker.reward.timeout={reward.timeout} must be > 0")
+    if reward.memory_limit_mb is not None:
+        if reward.memory_limit_mb < 64:
+            errors.append(f"worker.reward.memory_limit_mb={reward.memory_limit_mb} must be >= 64 (or null)")
+        if reward.num_workers == 0:
+            errors.append(
+                "worker.reward.memory_limit_mb caps worker processes: set worker.reward.num_workers >= 1"
+            )
     return errors
 
 
