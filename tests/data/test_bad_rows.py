@@ -82,6 +82,7 @@ def test_bad_row_is_an_error_naming_file_and_row(qwen, make_config, tmp_path, ca
     with pytest.raises(DataError, match=re.escape(expected)) as info:
         RLDataset(path, make_config(), *qwen)
     assert info.value.file == path and info.value.row == 1
+    assert str(info.value).endswith("; set data.skip_bad_rows=true to skip (and count) such rows")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -125,6 +126,6 @@ def test_template_errors_are_fatal_even_when_skipping(qwen, make_config, tmp_pat
     (tmp_path / "evil.jinja").write_text("{{ content.__class__ }}")
     path = _file(tmp_path, GOOD)
     with pytest.raises(
-        DataError, match=r"data.jsonl row 0: format_prompt .*evil.jinja' failed \(SecurityError\)"
+        DataError, match=r"data.jsonl row 0: format_prompt .*evil.jinja' failed at line 1 \(SecurityError\)"
     ):
         RLDataset(path, make_config(skip_bad_rows=True, format_prompt=str(tmp_path / "evil.jinja")), *qwen)
