@@ -240,3 +240,11 @@ def test_data_path_that_looks_local_is_not_sent_to_the_hub(base, tmp_path, monke
         match=r"data.train_files: 'org/shapes' is not a local file and was read as a hub dataset, but .*hub is unreachable",
     ):
         load_config([*base, "data.train_files=org/shapes"])
+
+
+def test_hub_behind_an_unreachable_proxy(base, monkeypatch, no_hub) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    with pytest.raises(
+        ConfigError, match=r"hub model id, but it is not in the local cache and the hub did not answer"
+    ):
+        load_config([*base, "worker.actor.model.model_path=nobody-xyz/no-model"])

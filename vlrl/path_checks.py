@@ -88,7 +88,9 @@ def _hub_problem(repo: str, repo_type: str) -> str | None:
         return None
     if _offline():
         return "it is not in the local cache and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set (offline)"
-    reason = _unreachable(hub_endpoint())
+    # Behind a proxy a direct connection proves nothing: let the (proxied) hub request below decide.
+    proxied = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    reason = None if proxied else _unreachable(hub_endpoint())
     if reason is not None:
         return f"it is not in the local cache and the hub is unreachable: {reason} (no network?)"
     from huggingface_hub import HfApi
@@ -98,7 +100,12 @@ def _hub_problem(repo: str, repo_type: str) -> str | None:
         HfApi().repo_info(repo, repo_type=repo_type, timeout=10)
     except RepositoryNotFoundError:
         return "no such repository on the hub (or it is private: log in with `hf auth login`)"
-    except Exception:  # other hub trouble (rate limits, gated repos...): loading will report it
+    except Exception as err:
+        # No connection (e.g. through a proxy): the HTTP client's TransportError (huggingface_hub 2.4
+        # uses a renamed httpx, so match by class name). Other trouble (rate limits, gated repos...):
+        # loading will report it.
+        if isinstance(err, OSError) or any(c.__name__ == "TransportError" for c in type(err).__mro__):
+            return f"it is not in the local cache and the hub did not answer ({type(err).__name__}: {err})"
         return None
     return None
 
