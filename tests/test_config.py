@@ -195,6 +195,7 @@ def no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
         ("/no/such/model", r"local folder '/no/such/model' does not exist"),
         ("./tiny", r"local folder './tiny' does not exist \(closest existing folder: .*holding: .*outputs"),
         ("a/b/c", r"local folder 'a/b/c' does not exist"),
+        ("~/tiny", r"local folder '~/tiny' does not exist"),
         ("nobody-xyz/no-model", r"'nobody-xyz/no-model' is not a local folder and was read as a hub model id, but it is not in the local cache and the hub is unreachable: 127.0.0.1:9 cannot be reached"),
     ],
 )  # fmt: skip
@@ -248,3 +249,10 @@ def test_hub_behind_an_unreachable_proxy(base, monkeypatch, no_hub) -> None:
         ConfigError, match=r"hub model id, but it is not in the local cache and the hub did not answer"
     ):
         load_config([*base, "worker.actor.model.model_path=nobody-xyz/no-model"])
+
+
+def test_tilde_is_not_expanded_in_model_paths(base, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "tiny").mkdir()
+    with pytest.raises(ConfigError, match=r"'~/tiny': '~' is not expanded in model paths; write '.*/tiny'"):
+        load_config([*base, "worker.actor.model.model_path=~/tiny"])

@@ -116,6 +116,8 @@ def model_path_problem(value: str) -> str | None:
         return None
     if os.path.exists(value):
         return f"{value!r} is a file, not a model folder"
+    if value.startswith("~") and os.path.isdir(os.path.expanduser(value)):
+        return f"{value!r}: '~' is not expanded in model paths; write {os.path.expanduser(value)!r}"
     if looks_local(value) or not HUB_ID.match(value):
         return f"local folder {value!r} does not exist{closest_existing(value)}"
     problem = _hub_problem(value, "model")

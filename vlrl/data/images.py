@@ -124,6 +124,12 @@ def load_image(value: Any, image_dir: str) -> Image.Image:
         raise ImageProblem(f"image {describe(value)} could not be decoded ({err})") from err
     except Image.DecompressionBombError as err:  # raised by load() for some formats
         raise ImageProblem(_bomb_message(value, err)) from err
+    except MemoryError:
+        raise
+    except Exception as err:  # a malformed file can make a decoder raise anything (struct.error, ...)
+        raise ImageProblem(
+            f"image {describe(value)} could not be decoded ({type(err).__name__}: {err})"
+        ) from err
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
