@@ -60,8 +60,7 @@ class ImageChecker:
     """Decodes the images of one data source; use as a context manager (saves the cache on exit)."""
 
     def __init__(self, source_name: str, cache_dir: str | None, threads: int | None = None) -> None:
-        from tqdm.auto import tqdm
-
+        self.source_name = source_name
         cache_dir = default_cache_dir() if cache_dir is None else os.path.expanduser(cache_dir)
         ident = os.path.abspath(source_name) if os.path.exists(source_name) else source_name
         digest = hashlib.sha256(ident.encode()).hexdigest()[:24]
@@ -71,7 +70,10 @@ class ImageChecker:
         self.num_decoded = 0
         self.num_cached = 0
         self.pool = ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1), thread_name_prefix="vlrl-img")
-        self.progress = tqdm(desc=f"decoding images of {source_name}", unit="img", disable=None, leave=False)
+        self._progress: Any = None  # a tqdm bar, opened when the first image is decoded
+
+    def _advance(self, _: Future) -> None:
+        self._progress.update()
 
     def _read_cache(self) -> set[str]:
         try:
@@ -96,8 +98,14 @@ class ImageChecker:
             for key, cell in keyed:
                 if key in self.known or key in futures:
                     continue
+                if self._progress is None:  # disable=None: no bar when stderr is not a terminal
+                    from tqdm.auto import tqdm
+
+                    self._progress = tqdm(
+                        desc=f"decoding images of {self.source_name}", unit="img", disable=None
+                    )
                 future = self.pool.submit(_decode, cell, image_dir)
-                future.add_done_callback(lambda _: self.progress.update())
+                future.add_done_callback(self._advance)
                 if key is not None:
                     futures[key] = future
                 else:  # PIL image: its own (uncached) future
@@ -142,8 +150,9 @@ class ImageChecker:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(Exception):
-            self.progress.close()
+        if self._progress is not None:
+            with contextlib.suppress(Exception):
+                self._progress.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
         if exc[0] is None:
             self.save()
