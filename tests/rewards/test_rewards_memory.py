@@ -28,7 +28,7 @@ SOURCE = """
 
 def test_allocation_past_the_cap_is_reported_as_out_of_memory(write_reward):
     spec = write_reward(SOURCE) + ":main"
-    with RewardRunner(make_config(spec, memory_limit_mb=400)) as runner:
+    with RewardRunner(make_config(spec, memory_limit_mb=200)) as runner:
         with pytest.raises(
             RewardError,
             match=r"failed on samples 0-0 \(one batch call\): ran out of memory \(raised MemoryError",
