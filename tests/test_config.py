@@ -125,6 +125,9 @@ def test_bad_keys_and_types(base: list[str], override: str, message: str) -> Non
          "algorithm.filter_low=0.9 must be < algorithm.filter_high=0.1"),
         (["data.format_prompt=/no/template.jinja"], "data.format_prompt: file '/no/template.jinja' does not exist"),
         (["worker.rollout.temperature=0"], r"worker.rollout.temperature=0.0 must be > 0: training needs sampled"),
+        (["worker.reward.memory_limit_mb=10"], r"worker.reward.memory_limit_mb=10 must be >= 64 \(or null\)"),
+        (["worker.reward.memory_limit_mb=500", "worker.reward.num_workers=0"],
+         "worker.reward.memory_limit_mb caps worker processes: set worker.reward.num_workers >= 1"),
     ],
 )  # fmt: skip
 def test_cross_field_rules(base: list[str], overrides: list[str], message: str) -> None:
@@ -176,3 +179,84 @@ def test_config_reference_is_current() -> None:
     assert (REPO / "docs" / "config.md").read_text() == render(), (
         "run: python -m vlrl.tools.config_docs > docs/config.md"
     )
+
+
+@pytest.fixture
+def no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An online hub that is never in the cache and whose port refuses connections at once."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr("vlrl.path_checks._in_cache", lambda repo, repo_type: False)
+    monkeypatch.setattr("vlrl.path_checks.hub_endpoint", lambda: "http://127.0.0.1:9")
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("outputs/quickstart_model", r"local folder 'outputs/quickstart_model' does not exist \(closest existing folder: .*outputs, holding: other_model\)"),
+        ("/no/such/model", r"local folder '/no/such/model' does not exist"),
+        ("./tiny", r"local folder './tiny' does not exist \(closest existing folder: .*holding: .*outputs"),
+        ("a/b/c", r"local folder 'a/b/c' does not exist"),
+        ("~/tiny", r"local folder '~/tiny' does not exist"),
+        ("nobody-xyz/no-model", r"'nobody-xyz/no-model' is not a local folder and was read as a hub model id, but it is not in the local cache and the hub is unreachable: 127.0.0.1:9 cannot be reached"),
+    ],
+)  # fmt: skip
+def test_model_path_fails_in_seconds(base, tmp_path, monkeypatch, no_hub, value, message) -> None:
+    import time
+
+    (tmp_path / "outputs" / "other_model").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="worker.actor.model.model_path: " + message):
+        load_config([*base, f"worker.actor.model.model_path={value}"])
+    assert time.monotonic() - start < 5
+
+
+def test_hub_ids_offline_and_cached(base, monkeypatch, no_hub) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(
+        ConfigError, match=r"hub model id, but it is not in the local cache and HF_HUB_OFFLINE .* \(offline\)"
+    ):
+        load_config([*base, "worker.actor.model.model_path=Qwen/Qwen2.5-VL-3B-Instruct"])
+    with pytest.raises(
+        ConfigError,
+        match=r"data.val_files: 'org/shapes@test' is not a local file and was read as a hub dataset, but .*offline",
+    ):
+        load_config([*base, "data.val_files=org/shapes@test"])
+    monkeypatch.setattr("vlrl.path_checks._in_cache", lambda repo, repo_type: True)
+    load_config(
+        [*base, "worker.actor.model.model_path=Qwen/Qwen2.5-VL-3B-Instruct", "data.val_files=org/shapes@test"]
+    )
+
+
+def test_data_path_that_looks_local_is_not_sent_to_the_hub(base, tmp_path, monkeypatch, no_hub) -> None:
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"data.train_files: data/shapes@train: no such file or folder \(closest"
+    ):
+        load_config([*base, "data.train_files=data/shapes@train"])
+    with pytest.raises(
+        ConfigError,
+        match=r"data.train_files: 'org/shapes' is not a local file and was read as a hub dataset, but .*hub is unreachable",
+    ):
+        load_config([*base, "data.train_files=org/shapes"])
+
+
+def test_hub_behind_an_unreachable_proxy(base, monkeypatch, no_hub) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    with pytest.raises(
+        ConfigError, match=r"hub model id, but it is not in the local cache and the hub did not answer"
+    ):
+        load_config([*base, "worker.actor.model.model_path=nobody-xyz/no-model"])
+
+
+def test_tilde_is_not_expanded_in_model_paths(base, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "tiny").mkdir()
+    with pytest.raises(ConfigError, match=r"'~/tiny': '~' is not expanded in model paths; write '.*/tiny'"):
+        load_config([*base, "worker.actor.model.model_path=~/tiny"])

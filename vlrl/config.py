@@ -89,7 +89,11 @@ class DataConfig(_Section):
     filter_overlong_prompts_workers: int = 1
     """Accepted for EasyR1 configs; the length check runs in one process (thousands of rows/s)."""
     skip_bad_rows: bool = False
-    """Skip (and count) rows with missing images or mismatched `<image>` markers instead of failing."""
+    """Skip (and count) bad rows (missing or undecodable images, mismatched `<image>` markers, ...)
+    instead of failing, at start-up and when a row fails later (replaced by another row of the epoch)."""
+    image_check_cache_dir: str | None = None
+    """Folder of the start-up image check's cache (images already decoded once, keyed by path, size and
+    mtime or by content hash); None: `$XDG_CACHE_HOME/vlrl/image_checks` (`~/.cache/vlrl/image_checks`)."""
 
 
 # ---------------------------------------------------------------------------------- algorithm
@@ -307,6 +311,10 @@ class RewardConfig(_Section):
     """Seconds one reward call may take before it counts as a failure."""
     on_failure: str = "raise"
     """What a failing sample does: raise (stop with the file, function and sample) or zero (score 0, counted)."""
+    memory_limit_mb: int | None = None
+    """Cap on each reward worker's address space in MiB (RLIMIT_AS, set before the reward file is imported,
+    so its imports count too): an allocation past it raises MemoryError in the reward, reported as out of
+    memory, instead of the machine swapping or the OOM killer ending the worker. None: no cap. Needs num_workers >= 1."""
 
 
 @dataclass

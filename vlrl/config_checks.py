@@ -18,7 +18,14 @@ SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "seed", "ignore_eos", "ma
 
 def check_config(config: PPOConfig) -> list[str]:
     errors: list[str] = []
-    for check in (_check_batch_sizes, _check_algorithm, _check_rollout, _check_reward, _check_trainer):
+    for check in (
+        _check_batch_sizes,
+        _check_algorithm,
+        _check_rollout,
+        _check_reward,
+        _check_trainer,
+        _check_paths,
+    ):
         errors.extend(check(config))
     return errors
 
@@ -172,6 +179,13 @@ def _check_reward(config: PPOConfig) -> list[str]:
         errors.append(f"worker.reward.num_workers={reward.num_workers} must be >= 0")
     if reward.timeout <= 0:
         errors.append(f"worker.reward.timeout={reward.timeout} must be > 0")
+    if reward.memory_limit_mb is not None:
+        if reward.memory_limit_mb < 64:
+            errors.append(f"worker.reward.memory_limit_mb={reward.memory_limit_mb} must be >= 64 (or null)")
+        if reward.num_workers == 0:
+            errors.append(
+                "worker.reward.memory_limit_mb caps worker processes: set worker.reward.num_workers >= 1"
+            )
     return errors
 
 
@@ -196,4 +210,28 @@ def _check_trainer(config: PPOConfig) -> list[str]:
     for key, value in (("data.format_prompt", config.data.format_prompt),):
         if value and not os.path.isfile(value):
             errors.append(f"{key}: file {value!r} does not exist")
+    return errors
+
+
+def _check_paths(config: PPOConfig) -> list[str]:
+    """Model folders / hub ids and data files exist (or are reachable on the hub), in seconds."""
+    from vlrl.data.sources import DataError, resolve_files
+    from vlrl.path_checks import model_path_problem
+
+    model = config.worker.actor.model
+    errors = []
+    paths = {"worker.actor.model.model_path": model.model_path}
+    if model.tokenizer_path and model.tokenizer_path != model.model_path:
+        paths["worker.actor.model.tokenizer_path"] = model.tokenizer_path
+    for key, value in paths.items():
+        problem = model_path_problem(value) if value else None
+        if problem is not None:
+            errors.append(f"{key}: {problem}")
+    for key in ("train_files", "val_files"):
+        spec = getattr(config.data, key)
+        if spec:
+            try:
+                resolve_files(spec, check_hub=True)
+            except DataError as err:
+                errors.append(f"data.{key}: {err}")
     return errors

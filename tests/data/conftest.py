@@ -58,3 +58,11 @@ def make_config() -> Callable[..., DataConfig]:
         return DataConfig(**values)
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def image_check_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test gets its own start-up image-check cache folder (not ~/.cache)."""
+    folder = tmp_path_factory.mktemp("image_checks")
+    monkeypatch.setattr("vlrl.data.image_check.default_cache_dir", lambda: str(folder))
+    return folder

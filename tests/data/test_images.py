@@ -93,3 +93,12 @@ def test_resize_and_lists():
     assert (
         image_list(None) == [] and image_list("a.png") == ["a.png"] and image_list(("a", "b")) == ["a", "b"]
     )
+
+
+def test_unexpected_decoder_errors_are_image_problems(monkeypatch):
+    def broken_load(self):
+        raise IndexError("tile out of range")
+
+    monkeypatch.setattr("PIL.ImageFile.ImageFile.load", broken_load)
+    with pytest.raises(ImageProblem, match=r"could not be decoded \(IndexError: tile out of range\)"):
+        load_image(png_bytes(), ".")

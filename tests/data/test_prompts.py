@@ -42,8 +42,23 @@ def test_format_prompt_renders_content(tmp_path):
 def test_sandbox_refuses_unsafe_templates(tmp_path, source):
     path = tmp_path / "evil.jinja"
     path.write_text(source)
-    with pytest.raises(PromptTemplateError, match=r"evil.jinja' failed \((SecurityError|UndefinedError)\)"):
+    with pytest.raises(
+        PromptTemplateError, match=r"evil.jinja' failed at line 1 \((SecurityError|UndefinedError)\)"
+    ):
         FormatPrompt(str(path)).render("hi")
+
+
+def test_template_errors_give_the_line(tmp_path):
+    (tmp_path / "syntax.jinja").write_text("Question:\n{{ content | trim }\nAnswer.")
+    with pytest.raises(
+        PromptTemplateError, match=r"syntax.jinja' is not a valid Jinja template: line 2: unexpected '}'"
+    ):
+        FormatPrompt(str(tmp_path / "syntax.jinja"))
+    (tmp_path / "typo.jinja").write_text("Question:\n\n{{ contnet }}\n")
+    with pytest.raises(
+        PromptTemplateError, match=r"typo.jinja' failed at line 3 \(UndefinedError\): 'contnet' is undefined"
+    ):
+        FormatPrompt(str(tmp_path / "typo.jinja")).render("hi")
 
 
 def test_format_prompt_errors(tmp_path):

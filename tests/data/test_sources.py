@@ -56,7 +56,9 @@ def test_bad_paths(tmp_path):
     with pytest.raises(DataError, match=r"missing.jsonl: no such file or folder"):
         resolve_files(str(tmp_path / "missing.jsonl"))
     (tmp_path / "broken.json").write_text("{not json")
-    with pytest.raises(DataError, match=r"broken.json: cannot be loaded"):
+    with pytest.raises(
+        DataError, match=r"broken.json: line 1 \(row 0\) is not valid JSON: Expecting property name"
+    ):
         load_sources(str(tmp_path / "broken.json"), None, "images")
 
 

@@ -62,7 +62,7 @@ SAMPLE_FAULTS = {
     "list": (r"returned a list \(\[1\.0\]\), expected a dict", True),
     "raise": (r"raised ValueError: boom[\s\S]*Traceback", False),
     "exit": (r"called sys\.exit\(4\)", False),
-    "hang": (rf"timed out after {TIMEOUT:g}s \(worker killed and restarted\)", False),
+    "hang": (rf"timed out after {TIMEOUT:g}s \(worker killed and restarted; resident memory \d+ MiB", False),
     "die": (r"worker process died \(exit code -?\d+\)", False),
 }
 BATCH_ONLY_FAULTS = {

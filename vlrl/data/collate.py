@@ -21,7 +21,7 @@ class PromptSample:
     raw_prompt_ids: list[int]  # unexpanded ids: one <|image_pad|> per image (vLLM expands itself)
     images: list[Any]  # RGB PIL images, resized to the pixel bounds (multiples of patch*merge)
     prompt: str  # the rendered prompt (chat template applied)
-    ground_truth: Any
+    ground_truth: str | list[str]  # vlrl.data.answers rule
     extras: dict[str, Any] = field(default_factory=dict)  # the row's other columns
     uid: int = 0  # unique per dataset row, stable across epochs
     image_grid_thw: torch.Tensor | None = None  # [n_img, 3] patch grid per image (None without images)

@@ -1,9 +1,11 @@
 """`RLDataset`: loads data files, validates every row up front, filters overlong prompts.
 
-Construction reads only the columns it needs and image headers (not pixels): each row's keys,
-`<image>` marker count, image existence/readability, and expanded prompt length are checked so
-a long run cannot die at step 500 on a bad row. `__getitem__` decodes and resizes the images and
-returns a model-ready `PromptSample`.
+Construction reads only the columns it needs: each row's keys, `<image>` marker count, image
+existence and headers, and expanded prompt length are checked, and every image is decoded once
+(`vlrl.data.image_check`: threads, cached across restarts), so a long run cannot die at step 500 on
+a bad row. `__getitem__` decodes and resizes the images and returns a model-ready `PromptSample`;
+a row that fails there anyway (a file changed after start-up) is skipped by `sample_or_skip` when
+`data.skip_bad_rows` is set.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from vlrl.data.collate import PromptSample
+from vlrl.data.image_check import ImageChecker
 from vlrl.data.images import ImageProblem
 from vlrl.data.prepare import RowPreparer, RowProblem
 from vlrl.data.prompts import PromptTemplateError
@@ -23,7 +26,11 @@ from vlrl.data.sources import DataError, Source, load_sources
 
 logger = logging.getLogger("vlrl.data")
 
-_CHUNK = 512  # rows read and tokenized together while validating
+_CHUNK = 512  # rows read, image-checked and tokenized together while validating
+SKIP_HINT = "; set data.skip_bad_rows=true to skip (and count) such rows"
+
+_Pending = tuple[int, str, int, list[Any]]
+"""A row that passed the cheap checks: (row, prompt, extra tokens from image expansion, image cells)."""
 
 
 class RLDataset(torch.utils.data.Dataset):
@@ -62,8 +69,15 @@ class RLDataset(torch.utils.data.Dataset):
         self.bad_rows: list[DataError] = []
         self.skipped_reasons: Counter[str] = Counter()
         self._index: list[tuple[int, int]] = []  # kept rows: (source index, row within source)
+        self.num_images_decoded = 0  # images decoded by the start-up check
+        self.num_images_cached = 0  # images the check's cache already knew to be good
+        self.late_bad_rows: list[DataError] = []  # rows that failed when drawn (skip_bad_rows=true)
+        self._late_bad: set[int] = set()  # their dataset indices
         for source_idx, source in enumerate(self.sources):
-            self._validate_source(source_idx, source)
+            with ImageChecker(source.name, config.image_check_cache_dir) as checker:
+                self._validate_source(source_idx, source, checker)
+            self.num_images_decoded += checker.num_decoded
+            self.num_images_cached += checker.num_cached
         self._log_summary()
 
     @property
@@ -86,8 +100,29 @@ class RLDataset(torch.utils.data.Dataset):
         row = source.dataset[row_idx]
         try:
             return self.prep.sample(row, source.image_dir, source.offset + row_idx, self.use_processor)
-        except (RowProblem, ImageProblem, PromptTemplateError) as err:
+        except (RowProblem, ImageProblem) as err:
+            message = f"{err} (found when the row was drawn, after the start-up check passed: was the file changed?){SKIP_HINT}"
+            raise DataError(message, file=source.name, row=row_idx) from err
+        except PromptTemplateError as err:
             raise DataError(str(err), file=source.name, row=row_idx) from err
+
+    def sample_or_skip(self, index: int) -> PromptSample | None:
+        """`self[index]`, or None (logged and counted) when it fails and `data.skip_bad_rows` is set."""
+        if index in self._late_bad:
+            return None
+        try:
+            return self[index]
+        except DataError as err:
+            if not self.config.skip_bad_rows or isinstance(err.__cause__, PromptTemplateError):
+                raise
+            self._late_bad.add(index)
+            self.late_bad_rows.append(err)
+            logger.warning(
+                "skipped a row that failed when drawn (data.skip_bad_rows=true; %d such rows so far): %s",
+                len(self.late_bad_rows),
+                err,
+            )
+            return None
 
     def location(self, index: int) -> tuple[str, int]:
         """(file, row within file) of sample `index`."""
@@ -112,18 +147,26 @@ class RLDataset(torch.utils.data.Dataset):
                 yield start + offset, dict(zip(columns, cells))
             start += len(values[0])
 
-    def _bad_row(self, source: Source, row_idx: int, err: Exception) -> None:
+    def _bad_row(self, source: Source, row_idx: int, err: Exception, reason: str | None = None) -> None:
         """Raise a DataError naming the row, or record it when skipping bad rows."""
         message = str(err)
         if not self.config.skip_bad_rows:
             if isinstance(err, RowProblem) and err.reason in ("missing_prompt", "missing_answer"):
                 message += f" (columns: {', '.join(source.dataset.column_names)})"
-            raise DataError(message, file=source.name, row=row_idx) from err
+            raise DataError(message + SKIP_HINT, file=source.name, row=row_idx) from err
         self.bad_rows.append(DataError(message, file=source.name, row=row_idx))
-        self.skipped_reasons[getattr(err, "reason", "image")] += 1
+        self.skipped_reasons[reason or getattr(err, "reason", "image")] += 1
 
-    def _validate_source(self, source_idx: int, source: Source) -> None:
-        pending: list[tuple[int, str, int]] = []  # (row, prompt, extra tokens from image expansion)
+    def _decoded_rows(self, source: Source, checker: ImageChecker, pending: list[_Pending]) -> list[_Pending]:
+        """`pending` without the rows whose images do not decode (an error unless skipping)."""
+        with_images = [(row_idx, cells) for row_idx, _, _, cells in pending if cells]
+        problems = checker.check(with_images, source.image_dir)
+        for row_idx, problem in sorted(problems.items()):
+            self._bad_row(source, row_idx, problem, reason="image_decode")
+        return [p for p in pending if p[0] not in problems]
+
+    def _validate_source(self, source_idx: int, source: Source, checker: ImageChecker) -> None:
+        pending: list[_Pending] = []
         for row_idx, row in self._rows(source):
             try:
                 prompt, cells = self.prep.text(row)
@@ -136,19 +179,19 @@ class RLDataset(torch.utils.data.Dataset):
                 continue
             except PromptTemplateError as err:  # a broken template is not the row's fault: always fatal
                 raise DataError(str(err), file=source.name, row=row_idx) from err
-            pending.append((row_idx, prompt, extra))
+            pending.append((row_idx, prompt, extra, cells))
             if len(pending) >= _CHUNK:
-                self._keep_short(source_idx, source, pending)
+                self._keep_short(source_idx, source, self._decoded_rows(source, checker, pending))
                 pending = []
-        self._keep_short(source_idx, source, pending)
+        self._keep_short(source_idx, source, self._decoded_rows(source, checker, pending))
 
-    def _keep_short(self, source_idx: int, source: Source, pending: list[tuple[int, str, int]]) -> None:
+    def _keep_short(self, source_idx: int, source: Source, pending: list[_Pending]) -> None:
         """Index the rows whose expanded prompt fits `max_prompt_length` (batch tokenization)."""
         if not pending:
             return
         limit = self.config.max_prompt_length
-        encoded = self.tokenizer([p for _, p, _ in pending], add_special_tokens=False)["input_ids"]
-        for (row_idx, _, extra), ids in zip(pending, encoded):
+        encoded = self.tokenizer([p[1] for p in pending], add_special_tokens=False)["input_ids"]
+        for (row_idx, _, extra, _), ids in zip(pending, encoded):
             length = len(ids) + extra
             if length <= limit:
                 self._index.append((source_idx, row_idx))
@@ -165,6 +208,12 @@ class RLDataset(torch.utils.data.Dataset):
     def _log_summary(self) -> None:
         names = ", ".join(s.name for s in self.sources[:3]) + (" ..." if len(self.sources) > 3 else "")
         logger.info("loaded %d rows from %s; kept %d", self.num_rows, names, len(self))
+        if self.num_images_decoded or self.num_images_cached:
+            logger.info(
+                "start-up image check: %d images decoded, %d known good from the cache",
+                self.num_images_decoded,
+                self.num_images_cached,
+            )
         if self.num_filtered_overlong:
             logger.warning(
                 "filtered %d prompts longer than max_prompt_length=%d",

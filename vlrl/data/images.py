@@ -17,6 +17,8 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from vlrl.data.image_modes import ImageModeProblem, to_rgb
+
 MAX_ASPECT_RATIO = 200  # Qwen-VL refuses images more elongated than this
 
 
@@ -33,7 +35,7 @@ def image_list(cell: Any) -> list[Any]:
     return [cell]
 
 
-def _path_of(value: Any, image_dir: str) -> str | None:
+def image_path(value: Any, image_dir: str) -> str | None:
     """Filesystem path of a path-like cell (or a dict with only a path); None for in-memory images."""
     if isinstance(value, dict):
         if value.get("bytes") is not None:
@@ -63,11 +65,13 @@ def check_exists(value: Any, image_dir: str) -> None:
     """Raise ImageProblem when a path-like image does not exist or the form is unknown."""
     if isinstance(value, Image.Image) or (isinstance(value, (bytes, bytearray)) and value):
         return
-    path = _path_of(value, image_dir)
+    path = image_path(value, image_dir)
     if path is None:
         if isinstance(value, dict):
             return
         raise ImageProblem(f"unsupported image value of type {type(value).__name__}")
+    if os.path.isdir(path):
+        raise ImageProblem(f"image path {path} is a directory, not an image file")
     if not os.path.isfile(path):
         raise ImageProblem(f"image file {path} does not exist")
 
@@ -77,7 +81,7 @@ def _open(value: Any, image_dir: str) -> Image.Image:
     if isinstance(value, Image.Image):
         return value
     check_exists(value, image_dir)
-    path = _path_of(value, image_dir)
+    path = image_path(value, image_dir)
     source: Any = (
         path if path is not None else io.BytesIO(value["bytes"] if isinstance(value, dict) else value)
     )
@@ -86,6 +90,15 @@ def _open(value: Any, image_dir: str) -> Image.Image:
     except (UnidentifiedImageError, OSError) as err:
         where = path if path is not None else describe(value)
         raise ImageProblem(f"image {where} is not a readable image ({err})") from err
+    except Image.DecompressionBombError as err:
+        raise ImageProblem(_bomb_message(path or value, err)) from err
+
+
+def _bomb_message(value: Any, err: Exception) -> str:
+    return (
+        f"image {describe(value)} is too large to decode safely ({err}); shrink the image, or raise "
+        "PIL.Image.MAX_IMAGE_PIXELS if you trust the file"
+    )
 
 
 def probe_size(value: Any, image_dir: str) -> tuple[int, int]:
@@ -97,26 +110,26 @@ def probe_size(value: Any, image_dir: str) -> tuple[int, int]:
     return size
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
-    """RGB; transparent pixels become white (as qwen-vl-utils does)."""
-    if image.mode == "RGB":
-        return image
-    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGB", rgba.size, (255, 255, 255))
-        background.paste(rgba, mask=rgba.getchannel("A"))
-        return background
-    return image.convert("RGB")
-
-
 def load_image(value: Any, image_dir: str) -> Image.Image:
-    """Decode an image cell into an RGB PIL image (raises ImageProblem on any decoding error)."""
+    """Decode an image cell into an RGB PIL image (raises ImageProblem on any decoding error).
+
+    Every mode is converted by `image_modes.to_rgb` (16-bit scaled, alpha over white, ...)."""
     image = _open(value, image_dir)
     try:
         image.load()
-        return _to_rgb(image)
+        return to_rgb(image)
+    except ImageModeProblem as err:
+        raise ImageProblem(f"image {describe(value)}: {err}") from err
     except (OSError, ValueError, SyntaxError) as err:
         raise ImageProblem(f"image {describe(value)} could not be decoded ({err})") from err
+    except Image.DecompressionBombError as err:  # raised by load() for some formats
+        raise ImageProblem(_bomb_message(value, err)) from err
+    except MemoryError:
+        raise
+    except Exception as err:  # a malformed file can make a decoder raise anything (struct.error, ...)
+        raise ImageProblem(
+            f"image {describe(value)} could not be decoded ({type(err).__name__}: {err})"
+        ) from err
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

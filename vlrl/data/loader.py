@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vlrl.data.collate import collate_prompts
+from vlrl.data.sources import DataError
 from vlrl.protocol import PromptBatch
 
 
@@ -66,13 +67,29 @@ class StatefulPromptLoader:
         epoch, order = self.epoch, self.order(self.epoch)
         while self.epoch == epoch and self.batch_index < len(self):
             start = self.batch_index * self.batch_size
-            indices = order[start : start + self.batch_size]
-            batch = collate_prompts([self.dataset[i] for i in indices], self.pad_token_id)
+            batch = collate_prompts(self._samples(order, start), self.pad_token_id)
             # Advance the state before handing the batch out (see the module docstring).
             self.batch_index += 1
             if self.batch_index == len(self):
                 self.epoch, self.batch_index = epoch + 1, 0
             yield batch
+
+    def _samples(self, order: list[int], start: int) -> list[Any]:
+        """The samples of the batch at `order[start:]`. With `data.skip_bad_rows`, a row that fails
+        when drawn (`dataset.sample_or_skip` returns None) is replaced by the next rows of the epoch
+        order, cyclically, so the batch keeps its size (those rows are then seen twice this epoch)."""
+        wanted = order[start : start + self.batch_size]
+        fetch = getattr(self.dataset, "sample_or_skip", self.dataset.__getitem__)
+        samples = [s for s in map(fetch, wanted) if s is not None]
+        spares = iter(order[start + len(wanted) :] + order[:start])
+        while len(samples) < len(wanted):
+            index = next(spares, None)
+            if index is None:
+                raise DataError(f"no loadable rows left to fill a batch of {len(wanted)} (every row failed)")
+            sample = fetch(index)
+            if sample is not None:
+                samples.append(sample)
+        return samples
 
     def state_dict(self) -> dict[str, int]:
         """Position to resume from (plus what must match on resume)."""

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from vlrl.data.answers import AnswerProblem, normalize_answer
 from vlrl.data.collate import PromptSample
 from vlrl.data.images import check_exists, image_list, load_image, probe_size, resize_image, smart_resize
 from vlrl.data.prompts import ChatFormatter, FormatPrompt, count_markers, expand_image_tokens
@@ -76,6 +77,10 @@ class RowPreparer:
             raise RowProblem(f"prompt key {cfg.prompt_key!r} is missing or empty", "missing_prompt")
         if row.get(cfg.answer_key) is None:
             raise RowProblem(f"answer key {cfg.answer_key!r} is missing", "missing_answer")
+        try:
+            normalize_answer(row[cfg.answer_key], cfg.answer_key)
+        except AnswerProblem as err:
+            raise RowProblem(str(err), "bad_answer") from None
         videos = _parse_cell_list(row.get(cfg.video_key))
         if videos:
             raise RowProblem(
@@ -149,7 +154,7 @@ class RowPreparer:
             raw_prompt_ids=raw_ids,
             images=images,
             prompt=prompt,
-            ground_truth=row[self.config.answer_key],
+            ground_truth=normalize_answer(row[self.config.answer_key]),
             extras=extras,
             uid=uid,
             image_grid_thw=grid,

@@ -9,6 +9,7 @@ row text --format_prompt (sandboxed Jinja, variable `content`)--> text with <ima
 from __future__ import annotations
 
 import re
+import traceback
 from typing import Any
 
 import jinja2
@@ -40,6 +41,10 @@ class FormatPrompt:
         env = ImmutableSandboxedEnvironment(keep_trailing_newline=False, undefined=jinja2.StrictUndefined)
         try:
             self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as err:
+            raise PromptTemplateError(
+                f"format_prompt {path!r} is not a valid Jinja template: line {err.lineno}: {err.message}"
+            ) from err
         except jinja2.TemplateError as err:
             raise PromptTemplateError(f"format_prompt {path!r} is not a valid Jinja template: {err}") from err
 
@@ -49,7 +54,16 @@ class FormatPrompt:
             return self.template.render(content=content)
         except jinja2.TemplateError as err:  # SecurityError, UndefinedError, ... all derive from it
             kind = type(err).__name__
-            raise PromptTemplateError(f"format_prompt {self.path!r} failed ({kind}): {err}") from err
+            line = _template_line(err)
+            where = f" at line {line}" if line is not None else ""
+            raise PromptTemplateError(f"format_prompt {self.path!r} failed{where} ({kind}): {err}") from err
+
+
+def _template_line(err: BaseException) -> int | None:
+    """Template line of a rendering error (Jinja rewrites tracebacks so the template's frames are
+    named `<template>`); None when not found."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == "<template>"]
+    return frames[-1].lineno if frames else None
 
 
 def count_markers(text: str) -> tuple[int, int]:

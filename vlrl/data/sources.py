@@ -4,17 +4,23 @@
 - a .json (a list of records, or JSON lines), .jsonl, .parquet or .csv file,
 - a folder: every such file under it (recursively, sorted by path),
 - several of the above separated by commas,
-- a hub dataset `org/name@split` (split defaults to `train`; needs network access).
+- a hub dataset `org/name@split` (split defaults to `train`; needs network access or the local
+  cache); an entry that looks local (see `vlrl.path_checks.looks_local`) is never sent to the hub.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from vlrl.path_checks import closest_existing, hub_dataset_problem, looks_local
+
+logger = logging.getLogger("vlrl.data")
 
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 _HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\-\[\]:%]+)?$")
@@ -55,8 +61,20 @@ def _folder_files(folder: str) -> list[str]:
     return sorted(found)
 
 
-def resolve_files(spec: str | Sequence[str]) -> list[str]:
-    """Data files (and hub names) named by `spec`, in order; raises DataError for unusable entries."""
+def _is_hub_name(entry: str) -> bool:
+    """`org/name[@split]` that is not a local path (vlrl.path_checks rule) and has no data-file extension."""
+    name = entry.split("@")[0]
+    return (
+        bool(_HUB_NAME.match(entry))
+        and not looks_local(name)
+        and os.path.splitext(name)[1].lower() not in DATA_EXTENSIONS
+    )
+
+
+def resolve_files(spec: str | Sequence[str], check_hub: bool = False) -> list[str]:
+    """Data files (and hub names) named by `spec`, in order; raises DataError for unusable entries.
+
+    `check_hub`: also check that hub datasets are cached or reachable (a few seconds at most)."""
     out: list[str] = []
     for entry in _split_spec(spec):
         if os.path.isdir(entry):
@@ -67,12 +85,13 @@ def resolve_files(spec: str | Sequence[str]) -> list[str]:
                 kinds = ", ".join(DATA_EXTENSIONS)
                 raise DataError(f"unknown file type {ext or '(none)'!r}; expected one of {kinds}", file=entry)
             out.append(entry)
-        elif (
-            _HUB_NAME.match(entry) and os.path.splitext(entry.split("@")[0])[1].lower() not in DATA_EXTENSIONS
-        ):
+        elif _is_hub_name(entry):
+            problem = hub_dataset_problem(entry) if check_hub else None
+            if problem is not None:
+                raise DataError(problem)
             out.append(entry)  # hub dataset
         else:
-            raise DataError("no such file or folder", file=entry)
+            raise DataError(f"no such file or folder{closest_existing(entry)}", file=entry)
     if not out:
         raise DataError(f"no data files given ({spec!r})")
     return out
@@ -110,19 +129,27 @@ def load_source(entry: str, image_dir: str | None, image_key: str) -> Source:
     """Load one file or hub split with `datasets` (errors name the entry)."""
     from datasets import load_dataset
 
+    from vlrl.data.text_files import json_problem, scan_text_file
+
     is_file = os.path.isfile(entry)
+    kind = DATA_EXTENSIONS[os.path.splitext(entry)[1].lower()] if is_file else "hub"
+    scan = scan_text_file(entry, kind) if kind in ("json", "csv") else None
     try:
         with _quiet_datasets():
             if is_file:
-                kind = DATA_EXTENSIONS[os.path.splitext(entry)[1].lower()]
                 dataset = load_dataset(kind, data_files=entry, split="train")
             else:
                 name, _, split = entry.partition("@")
                 dataset = load_dataset(name, split=split or "train")
             dataset = _undecoded_images(dataset, image_key)
     except Exception as err:  # datasets raises many types; all mean "cannot load this entry"
+        problem = json_problem(entry, scan) if kind == "json" and scan is not None else None
+        if problem is not None:
+            raise problem from err
         what = "cannot be loaded" if is_file else "is not a local file and cannot be loaded from the hub"
         raise DataError(f"{what}: {type(err).__name__}: {err}", file=entry) from err
+    if scan is not None and scan.json_lines and scan.blank_lines:
+        logger.warning("%s: ignored %d blank lines (of %d lines)", entry, scan.blank_lines, scan.lines)
     if image_dir is None:
         image_dir = os.path.dirname(os.path.abspath(entry)) if is_file else os.getcwd()
     return Source(name=entry, dataset=dataset, image_dir=image_dir)

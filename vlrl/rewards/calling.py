@@ -30,6 +30,8 @@ def describe_exception(exc: BaseException, skip_frames: int = 0) -> str:
     tb = "".join(traceback.format_exception(type(exc), exc, tb_start))
     if len(tb) > _MAX_TRACEBACK_CHARS:
         tb = "...\n" + tb[-_MAX_TRACEBACK_CHARS:]
+    if isinstance(exc, MemoryError):
+        return f"ran out of memory (raised {type(exc).__name__}; worker.reward.memory_limit_mb caps it)\n{tb}"
     return f"raised {type(exc).__name__}: {exc}\n{tb}"
 
 

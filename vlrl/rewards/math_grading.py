@@ -88,8 +88,11 @@ def math_equal(answer: str, ground_truth: Any) -> bool:
     """Whether `answer` (already extracted from the response) matches `ground_truth`.
 
     Exact match after `normalize_answer` first (fast, and covers non-math answers), then math_verify.
-    Any math_verify error or timeout counts as not equal.
+    Any math_verify error or timeout counts as not equal. A list ground truth (a multi-answer row)
+    matches when any of its answers does.
     """
+    if isinstance(ground_truth, (list, tuple)):
+        return any(math_equal(answer, gold) for gold in ground_truth)
     answer = unicodedata.normalize("NFKC", answer)
     gold_text = unicodedata.normalize("NFKC", str(ground_truth)).strip()
     if not answer.strip() or not gold_text:

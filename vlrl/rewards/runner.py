@@ -13,10 +13,8 @@ interrupted there (no timeout enforcement) and a crash takes the caller down.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
-import pickle
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -26,13 +24,14 @@ from typing import Any
 
 from vlrl.rewards.calling import Outcome, call_batch, call_one, guarded
 from vlrl.rewards.loading import LoadedReward, check_kwargs, load_reward_function, resolve_spec
-from vlrl.rewards.types import RewardError, RewardFailure, RewardInput, RewardLoadError, RewardResult
-from vlrl.rewards.worker import worker_main
+from vlrl.rewards.memory import describe_exit, describe_timeout
+from vlrl.rewards.types import RewardError, RewardFailure, RewardInput, RewardResult
+from vlrl.rewards.worker_process import STARTUP_TIMEOUT, WorkerProcess
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT = 120.0
-"""Seconds a worker may take to start and import the reward file (spawn re-imports the main module)."""
+MEMORY_POLL_S = 1.0
+"""While waiting for results, a busy worker's memory is sampled at least this often (for reports)."""
 MAX_FAILURE_MESSAGES = 20
 """`RewardResult.failure_messages` keeps at most this many (the count is always exact)."""
 
@@ -68,60 +67,6 @@ class _Batch:
             self.record(i, failure)
 
 
-class _Worker:
-    """One worker process, its pipe, and the job it is running."""
-
-    def __init__(self, ctx: Any, config: Any, kwargs: dict[str, Any], slot: int) -> None:
-        self.conn, child = ctx.Pipe()
-        args = (child, config.reward_function, config.reward_type, kwargs)
-        self.process = ctx.Process(target=worker_main, args=args, daemon=True, name=f"vlrl-reward-{slot}")
-        self.process.start()
-        child.close()  # so a dead worker shows up as EOF on our end
-        self.job: _Job | None = None
-        self.deadline = float("inf")
-
-    def wait_ready(self, timeout: float) -> dict[str, Any]:
-        """Block until the worker has loaded the reward function; returns its `ready` info."""
-        if not self.conn.poll(timeout):
-            self.kill()
-            raise RewardLoadError(f"reward worker did not start within {timeout:g}s")
-        try:
-            kind, payload = self.conn.recv()
-        except (EOFError, OSError):
-            code = self.kill()
-            raise RewardLoadError(f"reward worker exited while starting (exit code {code})") from None
-        if kind == "load_error":
-            self.kill()
-            raise RewardLoadError(payload)
-        return payload
-
-    def send_job(self, job: _Job, samples: list[RewardInput], timeout: float) -> None:
-        try:
-            self.conn.send(("score", job.job_id, samples))
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # pickled before any byte is sent
-            raise RewardError(
-                f"could not send the inputs to a reward worker: {exc!r}; every RewardInput value "
-                "(extra columns included) must be picklable"
-            ) from exc
-        self.job = job
-        self.deadline = time.monotonic() + timeout
-
-    def kill(self) -> int | None:
-        """Kill the process (if alive) and close the pipe; returns its exit code."""
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(5)
-        self.conn.close()
-        return self.process.exitcode
-
-    def stop(self) -> None:
-        """Ask the worker to exit, killing it if it does not within a few seconds."""
-        with contextlib.suppress(OSError, ValueError):  # pipe already broken: kill below
-            self.conn.send(("stop",))
-        self.process.join(2)
-        self.kill()
-
-
 def _split(n: int, parts: int) -> list[list[int]]:
     """`range(n)` in `parts` contiguous chunks of near-equal size (no empty chunk)."""
     parts = max(1, min(parts, n))
@@ -150,7 +95,7 @@ class RewardRunner:
         if config.num_workers < 0 or self.timeout <= 0:
             raise ValueError("worker.reward.num_workers must be >= 0 and worker.reward.timeout > 0")
         self._ctx = mp.get_context("spawn")
-        self._workers: list[_Worker | None] = [None] * int(config.num_workers)
+        self._workers: list[WorkerProcess | None] = [None] * int(config.num_workers)
         self._job_ids = 0
         self._closed = False
         self.loaded: LoadedReward | None = None
@@ -187,10 +132,10 @@ class RewardRunner:
         self.reward_type, self.where = info["reward_type"], info["where"]
         logger.info("started %d reward workers for %s (%s)", self.num_workers, self.where, self.reward_type)
 
-    def _new_worker(self, slot: int) -> _Worker:
-        return _Worker(self._ctx, self.config, self.kwargs, slot)
+    def _new_worker(self, slot: int) -> WorkerProcess:
+        return WorkerProcess(self._ctx, self.config, self.kwargs, slot)
 
-    def _restart(self, slot: int) -> _Worker:
+    def _restart(self, slot: int) -> WorkerProcess:
         worker = self._new_worker(slot)
         self._workers[slot] = worker
         worker.wait_ready(STARTUP_TIMEOUT + self.timeout)
@@ -259,7 +204,7 @@ class RewardRunner:
             self._abort_busy()  # only busy after an exception (e.g. KeyboardInterrupt): no stale jobs
         return [o if o is not None else _NOT_SCORED for o in batch.outcomes]
 
-    def _busy(self) -> list[tuple[int, _Worker]]:
+    def _busy(self) -> list[tuple[int, WorkerProcess]]:
         return [(slot, w) for slot, w in enumerate(self._workers) if w is not None and w.job is not None]
 
     def _abort_busy(self) -> None:
@@ -286,27 +231,28 @@ class RewardRunner:
         busy = self._busy()
         if not busy:
             return
-        wait_s = max(0.0, min(w.deadline for _, w in busy) - time.monotonic())
+        wait_s = max(0.0, min(MEMORY_POLL_S, min(w.deadline for _, w in busy) - time.monotonic()))
         ready = wait([w.conn for _, w in busy], timeout=wait_s)
         for slot, worker in busy:
+            worker.sample_memory()
             if worker.conn in ready:
                 self._receive(slot, worker, batch)
         now = time.monotonic()
+        limit = self.config.memory_limit_mb
         for slot, worker in self._busy():
             if worker.deadline <= now and not worker.conn.poll():
-                self._lose_job(
-                    slot, batch, f"timed out after {self.timeout:g}s (worker killed and restarted)"
-                )
+                self._lose_job(slot, batch, describe_timeout(self.timeout, worker.memory, limit))
 
-    def _receive(self, slot: int, worker: _Worker, batch: _Batch) -> None:
+    def _receive(self, slot: int, worker: WorkerProcess, batch: _Batch) -> None:
         job = worker.job
         assert job is not None
         try:
             message = worker.conn.recv()
         except (EOFError, OSError):
             worker.process.join(1)  # reap it so the exit code is known
-            code = worker.process.exitcode
-            self._lose_job(slot, batch, f"worker process died (exit code {code}) while scoring")
+            peak = worker.memory[1] if worker.memory else None
+            reason = describe_exit(worker.process.exitcode, peak, self.config.memory_limit_mb)
+            self._lose_job(slot, batch, reason)
             return
         kind, job_id = message[0], message[1]
         if job_id != job.job_id:

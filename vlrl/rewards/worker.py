@@ -20,13 +20,18 @@ from typing import Any
 
 from vlrl.rewards.calling import call_batch, call_one, describe_exception, guarded
 from vlrl.rewards.loading import check_kwargs, load_reward_function
+from vlrl.rewards.memory import apply_memory_limit
 from vlrl.rewards.types import RewardLoadError
 
 
-def worker_main(conn: Connection, spec: str, reward_type: str, kwargs: dict[str, Any]) -> None:
-    """Load the reward function and serve scoring jobs on `conn`."""
+def worker_main(
+    conn: Connection, spec: str, reward_type: str, kwargs: dict[str, Any], memory_limit_mb: int | None = None
+) -> None:
+    """Load the reward function and serve scoring jobs on `conn` (address space capped at
+    `memory_limit_mb` MiB, imports included)."""
     # Ctrl-C reaches the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    apply_memory_limit(memory_limit_mb)
     try:
         loaded = load_reward_function(spec, reward_type)
         check_kwargs(loaded, kwargs)

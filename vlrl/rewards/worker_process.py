@@ -1,0 +1,76 @@
+"""`WorkerProcess`: one reward worker process as seen from `RewardRunner` (its pipe, job, memory)."""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import time
+from typing import Any
+
+from vlrl.rewards.memory import memory_kib
+from vlrl.rewards.types import RewardError, RewardInput, RewardLoadError
+from vlrl.rewards.worker import worker_main
+
+STARTUP_TIMEOUT = 120.0
+"""Seconds a worker may take to start and import the reward file (spawn re-imports the main module)."""
+
+
+class WorkerProcess:
+    """One worker process, its pipe, and the job it is running."""
+
+    def __init__(self, ctx: Any, config: Any, kwargs: dict[str, Any], slot: int) -> None:
+        self.conn, child = ctx.Pipe()
+        args = (child, config.reward_function, config.reward_type, kwargs, config.memory_limit_mb)
+        self.process = ctx.Process(target=worker_main, args=args, daemon=True, name=f"vlrl-reward-{slot}")
+        self.process.start()
+        child.close()  # so a dead worker shows up as EOF on our end
+        self.job: Any = None  # the runner's job in flight
+        self.deadline = float("inf")
+        self.memory: tuple[int, int] | None = None
+        """(resident KiB, peak resident KiB) when last sampled (reported if the worker dies or hangs)."""
+
+    def sample_memory(self) -> None:
+        """Record the process's current and peak resident memory (kept when it cannot be read)."""
+        if self.process.pid is not None:
+            self.memory = memory_kib(self.process.pid) or self.memory
+
+    def wait_ready(self, timeout: float) -> dict[str, Any]:
+        """Block until the worker has loaded the reward function; returns its `ready` info."""
+        if not self.conn.poll(timeout):
+            self.kill()
+            raise RewardLoadError(f"reward worker did not start within {timeout:g}s")
+        try:
+            kind, payload = self.conn.recv()
+        except (EOFError, OSError):
+            code = self.kill()
+            raise RewardLoadError(f"reward worker exited while starting (exit code {code})") from None
+        if kind == "load_error":
+            self.kill()
+            raise RewardLoadError(payload)
+        return payload
+
+    def send_job(self, job: Any, samples: list[RewardInput], timeout: float) -> None:
+        try:
+            self.conn.send(("score", job.job_id, samples))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # pickled before any byte is sent
+            raise RewardError(
+                f"could not send the inputs to a reward worker: {exc!r}; every RewardInput value "
+                "(extra columns included) must be picklable"
+            ) from exc
+        self.job = job
+        self.deadline = time.monotonic() + timeout
+
+    def kill(self) -> int | None:
+        """Kill the process (if alive) and close the pipe; returns its exit code."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        self.conn.close()
+        return self.process.exitcode
+
+    def stop(self) -> None:
+        """Ask the worker to exit, killing it if it does not within a few seconds."""
+        with contextlib.suppress(OSError, ValueError):  # pipe already broken: kill below
+            self.conn.send(("stop",))
+        self.process.join(2)
+        self.kill()
