@@ -182,3 +182,23 @@ def test_full_cpu_run_of_every_check_without_the_missing_packages(tmp_path: Path
     ]
     assert list(worker["details"]["memory"]) == phases
     assert "ALL PASSED" in proc.stdout
+
+
+def test_attention_check_catches_a_backend_that_mixes_sequences(tmp_path: Path, monkeypatch) -> None:
+    """A "mask" backend whose mask lets a sequence see the one before it must be reported."""
+    import torch
+
+    from vlrl.models.attention import VarlenInfo
+    from vlrl.tools.gpu_check.attention_check import check_attention
+    from vlrl.tools.gpu_check.context import Context
+    from vlrl.tools.gpu_check.report import Outcome
+
+    def plain_causal(self: VarlenInfo) -> torch.Tensor:
+        total = sum(self.lengths)
+        return torch.ones(total, total, dtype=torch.bool).tril()
+
+    monkeypatch.setattr(VarlenInfo, "block_causal_mask", plain_causal)
+    outcome = Outcome()
+    check_attention(Context(torch.device("cpu"), small=True, workdir=tmp_path), outcome)
+    assert outcome.failures and all(f.startswith("mask:") for f in outcome.failures), outcome.failures
+    assert outcome.summary["mask_max_err"] > 0.1 and outcome.summary["loop_max_err"] < 0.1

@@ -64,10 +64,17 @@ def select(only: str | None, registry: dict[str, CheckSpec] = CHECKS) -> list[Ch
 
 
 def run_suite(
-    specs: list[CheckSpec], ctx: Any, limit_scale: float = 1.0, log: Callable[[str], None] = print
+    specs: list[CheckSpec],
+    ctx: Any,
+    limit_scale: float = 1.0,
+    log: Callable[[str], None] = print,
+    on_result: Callable[[list[CheckResult]], None] | None = None,
 ) -> list[CheckResult]:
-    """Run `specs` one after another; each is independent (a failure is recorded, the rest run)."""
-    results = []
+    """Run `specs` one after another; each is independent (a failure is recorded, the rest run).
+
+    `on_result(results so far)` after each check: main() rewrites the report then, so a process
+    that dies later (a CUDA fault, a killed job) still leaves the results it had."""
+    results: list[CheckResult] = []
     for spec in specs:
         log(f"[gpu_check] {spec.name}: {spec.what}")
         try:
@@ -77,6 +84,8 @@ def run_suite(
         else:
             results.append(run_check(spec.name, check, ctx, spec.limit_s * limit_scale))
         log(f"[gpu_check] {spec.name}: {results[-1].status} in {results[-1].seconds:.1f} s")
+        if on_result is not None:
+            on_result(results)
     return results
 
 
@@ -107,6 +116,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one, removed)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        help="packed attention backend of the actor/reference in the model checks (vlrl.models.attention."
+        "BACKENDS; default: the actor's own, auto). The attention check tests every backend regardless.",
+    )
     parser.add_argument("--limit-scale", type=float, default=None,
                         help="multiply every time limit (default 1 on CUDA, 3 on CPU)")  # fmt: skip
     return parser.parse_args(argv)
@@ -130,18 +145,41 @@ def main(argv: list[str] | None = None) -> int:
             "--device cuda but torch.cuda.is_available() is False (use --device cpu for the self-test)"
         )
     small = args.small or args.device == "cpu"
+    if args.attention_backend:
+        from vlrl.models.attention import BACKENDS
+        from vlrl.workers.reference import ShardedModel
+
+        if args.attention_backend not in BACKENDS:
+            raise SystemExit(
+                f"--attention-backend {args.attention_backend!r}: choose one of {list(BACKENDS)}"
+            )
+        ShardedModel.attention_backend = args.attention_backend  # read by every Actor / Reference
     scale = args.limit_scale or (1.0 if args.device == "cuda" else 3.0)
+    options = {
+        "device": args.device,
+        "small": small,
+        "only": [s.name for s in specs],
+        "seed": args.seed,
+        "limit_scale": scale,
+        "attention_backend": args.attention_backend or "auto",
+    }
+    env = environment()
+    start = time.perf_counter()
+
+    def save(results: list[CheckResult]) -> dict[str, Any]:
+        options["total_seconds"] = round(time.perf_counter() - start, 1)
+        options["complete"] = len(results) == len(specs)
+        report = build_report(results, options, env)
+        write_report(report, args.out)
+        return report
+
     with tempfile.TemporaryDirectory(prefix="vlrl_gpu_check_") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
         ctx = Context(device=device, small=small, workdir=workdir, seed=args.seed)
-        start = time.perf_counter()
-        results = run_suite(specs, ctx, scale)
-    options = {"device": args.device, "small": small, "only": [s.name for s in specs], "seed": args.seed,
-               "limit_scale": scale, "total_seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
-    report = build_report(results, options, environment())
-    write_report(report, args.out)
+        results = run_suite(specs, ctx, scale, on_result=save)
+    report = save(results)
     print(format_table(report))
     print(f"report written to {args.out}")
     return 0 if report["ok"] else 1
