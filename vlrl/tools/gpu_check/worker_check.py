@@ -153,8 +153,10 @@ def check_rank_worker(ctx: Context, outcome: Outcome) -> None:
             _masked_max(resumed, before_save, mask),
             _masked_max(after_extra, before_save, mask),
         )
+        # Same weights, same kernels: equal up to nondeterministic CUDA reductions, if any.
+        resume_tol = 1e-4 if ctx.cuda else 1e-6
         outcome.expect(
-            resume_gap <= 1e-6, f"resumed log-probs differ from the saved ones by {resume_gap:.3g}"
+            resume_gap <= resume_tol, f"resumed log-probs differ from the saved ones by {resume_gap:.3g}"
         )
         outcome.expect(
             extra_gap > resume_gap, "the extra update did not move the weights: resume proves nothing"
