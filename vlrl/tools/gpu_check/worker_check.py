@@ -27,6 +27,7 @@ UPDATES = 3
 
 def worker_config(ctx: Context, model_dir: str):
     """HF rollout, GRPO with the KL loss, reference and optimizer offload, two mini-batches per update."""
+    prompts = 2 if ctx.small else 4  # x n=2 responses; each mini-batch takes half of them
     return make_config(
         model_dir,
         ctx.device,
@@ -37,13 +38,13 @@ def worker_config(ctx: Context, model_dir: str):
             "worker.rollout.sync_bucket_mb": 4,
             "worker.ref.offload_params": True,
             "worker.actor.offload.offload_optimizer": True,
-            "worker.actor.global_batch_size": 2,  # 4 prompts x 2 = 8 rows: two optimizer steps per update
+            "worker.actor.global_batch_size": prompts // 2,  # two optimizer steps per update
             "worker.actor.micro_batch_size_per_device_for_update": 2,
             "algorithm.adv_estimator": "grpo",
             "algorithm.use_kl_loss": True,
             "algorithm.kl_penalty": "low_var_kl",
             "algorithm.kl_coef": 0.1,
-            "data.rollout_batch_size": 4,
+            "data.rollout_batch_size": prompts,
             "data.max_response_length": 8 if ctx.small else 32,
         },
     )
