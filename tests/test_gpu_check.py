@@ -119,6 +119,24 @@ def test_time_limit_stops_a_check() -> None:
         time.sleep(2)
 
 
+def test_time_limit_restores_an_outer_timer() -> None:
+    import signal
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.6)
+        with time_limit(5):
+            time.sleep(0.1)
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 0 < remaining <= 0.5
+        time.sleep(0.8)
+        assert fired == [True]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_report_is_json_safe_for_nan_and_objects() -> None:
     from vlrl.tools.gpu_check.report import CheckResult
 
