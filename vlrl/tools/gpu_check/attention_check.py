@@ -4,17 +4,18 @@ Inputs are bf16 with grouped-query heads (16 query / 2 KV heads of dim 128: Qwen
 decoder). A row packs sequences of lengths 1..2048. The reference is per-sequence causal SDPA in
 float32 on the same bf16 inputs; a backend passes when its error against that reference is at
 most twice the error of per-sequence SDPA run in bf16 (plus a small floor), for the output and
-for dq, dk, dv.
+for dq, dk, dv. The time of one warm forward + backward per backend is recorded too.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from vlrl.tools.gpu_check.context import Context
+from vlrl.tools.gpu_check.context import Context, sync
 from vlrl.tools.gpu_check.report import Outcome
 
 GPU_LENGTHS = [1, 2, 17, 128, 333, 1000, 2048]
@@ -103,6 +104,11 @@ def check_attention(ctx: Context, outcome: Outcome) -> None:
             outcome.failures.append(f"{backend}: raised {case['error'][:200]}")
             outcome.details[backend] = case
             continue
+        sync(dev)
+        start = time.perf_counter()
+        _run(packed, q, k, v, grad_out)  # timed second call: forward + backward, warm
+        sync(dev)
+        case["fwd_bwd_ms"] = round(1000 * (time.perf_counter() - start), 2)
         errors = [_err(out, exact_out)] + [_err(a, b) for a, b in zip(grads, exact_grads)]
         case["error_out_dq_dk_dv"] = errors
         case["dtype_out"] = str(out_dtype)
@@ -114,5 +120,6 @@ def check_attention(ctx: Context, outcome: Outcome) -> None:
             )
         outcome.details[backend] = case
         outcome.summary[f"{backend}_max_err"] = max(errors)
+        outcome.summary[f"{backend}_ms"] = case["fwd_bwd_ms"]
     outcome.summary["auto_is"] = _resolved("auto", dev)
     outcome.summary["sdpa_bf16_max_err"] = max(baseline)
