@@ -1,0 +1,226 @@
+"""CPU tests of the GPU acceptance suite (vlrl.tools.gpu_check): the command line, check selection,
+error capture, time limits, the report and its table, the 3B-shape config, and a full run of every
+check on tiny shapes with the packages the GPU machine lacks made unimportable."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vlrl.tools.gpu_check.cli import CHECKS, CheckSpec, run_suite, select
+from vlrl.tools.gpu_check.report import CheckTimeout, build_report, format_table, run_check, time_limit
+
+ROOT = Path(__file__).resolve().parents[1]
+# Not installed on the GPU machine (shared/ENVIRONMENT.md): the suite must never import them.
+MISSING_ON_GPU_MACHINE = (
+    "vllm",
+    "ray",
+    "flash_attn",
+    "tensordict",
+    "omegaconf",
+    "datasets",
+    "qwen_vl_utils",
+    "wandb",
+)
+# A None entry in sys.modules makes `import x` fail and `importlib.util.find_spec(x)` return None,
+# exactly as for a package that is not installed (CPython's importlib: find_spec, _find_and_load).
+BLOCKER = f"import sys\nsys.modules.update(dict.fromkeys({MISSING_ON_GPU_MACHINE!r}))\n"
+
+
+def _python(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKER + code, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_lists_every_check_without_the_missing_packages() -> None:
+    proc = _python(
+        "import sys, runpy; sys.argv = ['gpu_check', '--help']; runpy.run_module('vlrl.tools.gpu_check', run_name='__main__')"
+    )
+    assert proc.returncode == 0, proc.stderr
+    for name in CHECKS:
+        assert name in proc.stdout
+
+
+def test_select_keeps_registry_order_and_rejects_unknown_names() -> None:
+    assert [s.name for s in select(None)] == list(CHECKS)
+    assert [s.name for s in select("qwen3b_update, attention")] == ["attention", "qwen3b_update"]
+    with pytest.raises(SystemExit, match="unknown check"):
+        select("attention,nope")
+
+
+def _ok(ctx, outcome) -> None:
+    outcome.summary["value"] = 1.5
+    outcome.expect(True, "never shown")
+
+
+def _raises(ctx, outcome) -> None:
+    outcome.details["measured_before_the_error"] = 7
+    raise RuntimeError("boom on purpose")
+
+
+def _finds_a_problem(ctx, outcome) -> None:
+    outcome.expect(False, "a measured value is out of bounds")
+
+
+def _slow(ctx, outcome) -> None:
+    time.sleep(5)
+
+
+def test_time_limits_fit_the_ten_minute_budget() -> None:
+    assert sum(spec.limit_s for spec in CHECKS.values()) <= 570
+
+
+def test_a_raising_check_is_recorded_and_the_others_still_run() -> None:
+    registry = {
+        "raises": CheckSpec("raises", f"{__name__}:_raises", 10, "raises"),
+        "ok": CheckSpec("ok", f"{__name__}:_ok", 10, "passes"),
+        "bad": CheckSpec("bad", f"{__name__}:_finds_a_problem", 10, "finds a problem"),
+        "no_module": CheckSpec("no_module", "vlrl.tools.gpu_check.no_such_module:check", 10, "cannot import"),
+    }
+    results = run_suite(list(registry.values()), ctx=None, log=lambda _: None)
+    by_name = {r.name: r for r in results}
+    assert [r.name for r in results] == list(registry)
+    raised = by_name["raises"]
+    assert raised.status == "fail" and raised.error == "RuntimeError: boom on purpose"
+    assert "_raises" in raised.traceback and raised.details == {"measured_before_the_error": 7}
+    assert by_name["ok"].status == "pass" and by_name["ok"].summary == {"value": 1.5}
+    assert by_name["bad"].status == "fail" and by_name["bad"].failures == [
+        "a measured value is out of bounds"
+    ]
+    assert by_name["no_module"].status == "fail" and "ModuleNotFoundError" in by_name["no_module"].error
+    report = build_report(results, {"device": "cpu"}, {"torch": "x"})
+    assert report["ok"] is False
+    assert report["summary"]["ok"] == {"status": "pass", "seconds": by_name["ok"].seconds, "value": 1.5}
+    table = format_table(report)
+    assert "boom on purpose" in table and "a measured value is out of bounds" in table
+    assert "SOME CHECKS FAILED" in table
+    json.dumps(report)  # JSON-safe
+
+
+def test_time_limit_stops_a_check() -> None:
+    start = time.perf_counter()
+    result = run_check("slow", _slow, None, limit_s=0.5)
+    assert time.perf_counter() - start < 3
+    assert result.status == "fail" and result.error.startswith("CheckTimeout")
+    with pytest.raises(CheckTimeout), time_limit(0.2):
+        time.sleep(2)
+
+
+def test_time_limit_restores_an_outer_timer() -> None:
+    import signal
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.6)
+        with time_limit(5):
+            time.sleep(0.1)
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 0 < remaining <= 0.5
+        time.sleep(0.8)
+        assert fired == [True]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_report_is_json_safe_for_nan_and_objects() -> None:
+    from vlrl.tools.gpu_check.report import CheckResult
+
+    result = CheckResult("x", "pass", 0.1, {"mfu": float("nan")}, {"shape": (1, 2), "obj": object()}, [])
+    report = build_report([result], {}, {})
+    text = json.dumps(report, allow_nan=False)
+    assert '"mfu": "nan"' in text and report["checks"][0]["details"]["shape"] == [1, 2]
+
+
+def test_qwen25_vl_3b_shapes() -> None:
+    """The stated config builds a model of Qwen2.5-VL-3B-Instruct's size (3.75 B parameters,
+    vision tower 0.67 B) and FLOPs of ~6 N per token (N: decoder matmul parameters)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlrl.models.tiny import SIZES, _token_ids, build_tokenizer
+    from vlrl.tools.gpu_check.qwen3b_check import qwen25_vl_3b_config
+    from vlrl.utils.flops import decoder_matmul_params, flops_per_token
+
+    config = qwen25_vl_3b_config(_token_ids(build_tokenizer(SIZES["tiny"].vocab)))
+    text, vision = config.text_config, config.vision_config
+    assert (text.num_hidden_layers, text.hidden_size, text.intermediate_size) == (36, 2048, 11008)
+    assert (text.num_attention_heads, text.num_key_value_heads, text.vocab_size) == (16, 2, 151936)
+    assert (vision.depth, vision.hidden_size, vision.out_hidden_size) == (32, 1280, 2048)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    tower = sum(p.numel() for p in model.model.visual.parameters())
+    assert 3.70e9 < total < 3.80e9, total
+    assert 0.66e9 < tower < 0.68e9, tower
+    assert (
+        6 * decoder_matmul_params(config)
+        < flops_per_token(config, 1024)
+        < 6.5 * decoder_matmul_params(config)
+    )
+
+
+def test_full_cpu_run_of_every_check_without_the_missing_packages(tmp_path: Path) -> None:
+    """The whole suite on tiny shapes (`--device cpu`), with vLLM, Ray, tensordict, omegaconf,
+    datasets, ... unimportable: every check runs and passes, and the report has its structure."""
+    out = tmp_path / "report.json"
+    code = "import sys; from vlrl.tools.gpu_check.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = _python(
+        code, "--device", "cpu", "--out", str(out), "--workdir", str(tmp_path / "work"), timeout=400
+    )
+    assert out.exists(), proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    failed = {c["name"]: (c["failures"], c["error"]) for c in report["checks"] if c["status"] != "pass"}
+    assert not failed, failed
+    assert proc.returncode == 0
+    assert [c["name"] for c in report["checks"]] == list(CHECKS)
+    assert report["ok"] is True and report["options"]["small"] is True and report["options"]["complete"]
+    assert set(report["summary"]) == set(CHECKS)
+    worker = next(c for c in report["checks"] if c["name"] == "rank_worker")
+    phases = [
+        "setup",
+        "generate",
+        "log_probs",
+        "update_1",
+        "update_2",
+        "update_3",
+        "checkpoint",
+        "resume",
+        "model_only_save",
+    ]
+    assert list(worker["details"]["memory"]) == phases
+    assert "ALL PASSED" in proc.stdout
+
+
+def test_attention_check_catches_a_backend_that_mixes_sequences(tmp_path: Path, monkeypatch) -> None:
+    """A "mask" backend whose mask lets a sequence see the one before it must be reported."""
+    import torch
+
+    from vlrl.models.attention import VarlenInfo
+    from vlrl.tools.gpu_check.attention_check import check_attention
+    from vlrl.tools.gpu_check.context import Context
+    from vlrl.tools.gpu_check.report import Outcome
+
+    def plain_causal(self: VarlenInfo) -> torch.Tensor:
+        total = sum(self.lengths)
+        return torch.ones(total, total, dtype=torch.bool).tril()
+
+    monkeypatch.setattr(VarlenInfo, "block_causal_mask", plain_causal)
+    outcome = Outcome()
+    check_attention(Context(torch.device("cpu"), small=True, workdir=tmp_path), outcome)
+    assert outcome.failures and all(f.startswith("mask:") for f in outcome.failures), outcome.failures
+    assert outcome.summary["mask_max_err"] > 0.1 and outcome.summary["loop_max_err"] < 0.1

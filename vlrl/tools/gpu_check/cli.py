@@ -1,0 +1,191 @@
+"""`python -m vlrl.tools.gpu_check`: the command line, the registry of checks and the suite runner."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlrl.tools.gpu_check.report import (
+    CheckResult,
+    build_report,
+    environment,
+    format_table,
+    run_check,
+    write_report,
+)
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    name: str
+    target: str  # "module:function", imported only when the check runs
+    limit_s: float  # time limit on the GPU (the full sizes)
+    what: str  # one line for --help
+
+    def load(self) -> Callable[[Any, Any], None]:
+        import importlib
+
+        module, function = self.target.split(":")
+        return getattr(importlib.import_module(module), function)
+
+
+_PKG = "vlrl.tools.gpu_check"
+# Time limits sum to 570 s, so the whole suite ends within 10 minutes on one GPU even when every
+# check hangs until its limit (start-up and the report take a few seconds more).
+CHECKS = {
+    spec.name: spec
+    for spec in (
+        CheckSpec("attention", f"{_PKG}.attention_check:check_attention", 60,
+                  "packed attention backends vs per-sequence SDPA, bf16 GQA, forward + grads, lengths 1..2048"),
+        CheckSpec("rank_worker", f"{_PKG}.worker_check:check_rank_worker", 120,
+                  "one RankWorker (HF rollout, KL loss, offloads): setup..resume..model-only save, memory per phase"),
+        CheckSpec("packed_vs_padded", f"{_PKG}.logprob_check:check_packed_vs_padded", 90,
+                  "packed vs padded log-probs and gradients in bf16; fp32 device vs CPU"),
+        CheckSpec("qwen3b_update", f"{_PKG}.qwen3b_check:check_qwen3b_update", 300,
+                  "actor update of a random-init Qwen2.5-VL-3B-shaped model: tokens/s, MFU, peak memory"),
+    )
+}  # fmt: skip
+
+
+def select(only: str | None, registry: dict[str, CheckSpec] = CHECKS) -> list[CheckSpec]:
+    """The checks named in `only` ("a,b"; None or "" = all), in registry order; unknown names fail."""
+    if not only:
+        return list(registry.values())
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in registry]
+    if unknown:
+        raise SystemExit(f"unknown check(s) {unknown}; choose from {list(registry)}")
+    return [spec for name, spec in registry.items() if name in names]
+
+
+def run_suite(
+    specs: list[CheckSpec],
+    ctx: Any,
+    limit_scale: float = 1.0,
+    log: Callable[[str], None] = print,
+    on_result: Callable[[list[CheckResult]], None] | None = None,
+) -> list[CheckResult]:
+    """Run `specs` one after another; each is independent (a failure is recorded, the rest run).
+
+    `on_result(results so far)` after each check: main() rewrites the report then, so a process
+    that dies later (a CUDA fault, a killed job) still leaves the results it had."""
+    results: list[CheckResult] = []
+    for spec in specs:
+        log(f"[gpu_check] {spec.name}: {spec.what}")
+        try:
+            check = spec.load()
+        except Exception as err:  # noqa: BLE001 (an import error is this check's failure only)
+            results.append(run_check(spec.name, _raiser(err), ctx, None))
+        else:
+            results.append(run_check(spec.name, check, ctx, spec.limit_s * limit_scale))
+        log(f"[gpu_check] {spec.name}: {results[-1].status} in {results[-1].seconds:.1f} s")
+        if on_result is not None:
+            on_result(results)
+    return results
+
+
+def _raiser(err: Exception) -> Callable[[Any, Any], None]:
+    def check(ctx: Any, outcome: Any) -> None:
+        raise err
+
+    return check
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    listing = "\n".join(f"  {s.name:<18} {s.what} (limit {s.limit_s:.0f} s)" for s in CHECKS.values())
+    parser = argparse.ArgumentParser(
+        prog="python -m vlrl.tools.gpu_check",
+        description="GPU acceptance check of vlrl on one GPU (see docs/gpu.md). Needs torch, transformers,\n"
+        "safetensors, pillow, jinja2, tokenizers, numpy; no vLLM, Ray, flash-attn or network.",
+        epilog=f"checks:\n{listing}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out", default="gpu_check_report.json", help="JSON report path (default: %(default)s)"
+    )
+    parser.add_argument("--only", default=None, help="comma-separated check names (default: all)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                        help="cuda (the real check), cpu (self-test of the suite; implies --small), auto")  # fmt: skip
+    parser.add_argument(
+        "--small", action="store_true", help="tiny shapes (fast; what the CPU self-test uses)"
+    )
+    parser.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one, removed)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        help="packed attention backend of the actor/reference in the model checks (vlrl.models.attention."
+        "BACKENDS; default: the actor's own, auto). The attention check tests every backend regardless.",
+    )
+    parser.add_argument("--limit-scale", type=float, default=None,
+                        help="multiply every time limit (default 1 on CUDA, 3 on CPU)")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected checks, write the report, print the table; exit status 1 if a check failed."""
+    args = parse_args(argv)
+    specs = select(args.only)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    from vlrl.tools.gpu_check.context import Context
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "--device cuda but torch.cuda.is_available() is False (use --device cpu for the self-test)"
+        )
+    small = args.small or args.device == "cpu"
+    if args.attention_backend:
+        from vlrl.models.attention import BACKENDS
+        from vlrl.workers.reference import ShardedModel
+
+        if args.attention_backend not in BACKENDS:
+            raise SystemExit(
+                f"--attention-backend {args.attention_backend!r}: choose one of {list(BACKENDS)}"
+            )
+        ShardedModel.attention_backend = args.attention_backend  # read by every Actor / Reference
+    scale = args.limit_scale or (1.0 if args.device == "cuda" else 3.0)
+    options = {
+        "device": args.device,
+        "small": small,
+        "only": [s.name for s in specs],
+        "seed": args.seed,
+        "limit_scale": scale,
+        "attention_backend": args.attention_backend or "auto",
+    }
+    env = environment()
+    start = time.perf_counter()
+
+    def save(results: list[CheckResult]) -> dict[str, Any]:
+        options["total_seconds"] = round(time.perf_counter() - start, 1)
+        options["complete"] = len(results) == len(specs)
+        report = build_report(results, options, env)
+        write_report(report, args.out)
+        return report
+
+    with tempfile.TemporaryDirectory(prefix="vlrl_gpu_check_") as tmp:
+        workdir = Path(args.workdir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+        ctx = Context(device=device, small=small, workdir=workdir, seed=args.seed)
+        results = run_suite(specs, ctx, scale, on_result=save)
+    report = save(results)
+    print(format_table(report))
+    print(f"report written to {args.out}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
