@@ -66,11 +66,11 @@ def backends_to_test(device: torch.device) -> list[str]:
     return names
 
 
-def _resolved(backend: str, device: torch.device) -> str:
-    from vlrl.models import attention
+def _resolved(backend: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """What "auto" picks for this device and dtype (the check runs its kernels in bf16)."""
+    from vlrl.models.attention import _resolve_backend
 
-    resolve = getattr(attention, "_resolve_backend", None)
-    return resolve(backend, device) if resolve is not None and backend == "auto" else backend
+    return _resolve_backend(backend, device, dtype) if backend == "auto" else backend
 
 
 def check_attention(ctx: Context, outcome: Outcome) -> None:
