@@ -133,6 +133,18 @@ class AlgorithmConfig(_Section):
 
 # ------------------------------------------------------------------------------------- worker
 @dataclass
+class LoraConfig(_Section):
+    rank: int = 0
+    """LoRA rank; 0 trains all weights, > 0 trains low-rank adapters only (built on peft)."""
+    alpha: int = 64
+    """LoRA scaling numerator: the adapter's update is scaled by alpha / rank."""
+    target_modules: str = "all-linear"
+    """Modules that get adapters: "all-linear" or a comma list such as "q_proj,k_proj,v_proj,o_proj"."""
+    exclude_modules: str | None = None
+    """Regex of module names that never get adapters (the vision tower is always excluded)."""
+
+
+@dataclass
 class ModelConfig(_Section):
     model_path: str = ""
     """Hugging Face model folder (or hub name) of the policy."""
@@ -146,6 +158,8 @@ class ModelConfig(_Section):
     """Allow custom modelling code from the model folder."""
     freeze_vision_tower: bool = False
     """Keep the vision encoder's weights fixed."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning."""
 
 
 @dataclass

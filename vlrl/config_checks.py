@@ -143,6 +143,10 @@ def _check_rollout(config: PPOConfig) -> list[str]:
         errors.append(
             f"worker.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"
         )
+    if config.worker.actor.model.lora.rank < 0:
+        errors.append(f"worker.actor.model.lora.rank={config.worker.actor.model.lora.rank} must be >= 0")
+    elif config.worker.actor.model.lora.rank > 0:
+        errors.append("worker.actor.model.lora.rank > 0: LoRA training is not built yet; use rank 0")
     if rollout.temperature <= 0:
         errors.append(
             f"worker.rollout.temperature={rollout.temperature} must be > 0: training needs sampled responses "
