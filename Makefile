@@ -1,10 +1,10 @@
 # The two commands a newcomer needs (see README.md):
 #   make quickstart   set up .venv and train a tiny VLM on a synthetic visual task (CPU)
-#   make test         set up .venv, lint, and run the test suite
+#   make test         set up .venv, lint, type-check (mypy), and run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup quickstart test lint format bench
+.PHONY: setup quickstart test test-fast lint typecheck format bench
 
 setup:
 	bash scripts/install.sh
@@ -17,8 +17,15 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+typecheck: setup
+	$(VENV)/bin/mypy
+
+test: lint typecheck
 	$(VENV)/bin/pytest -q
+
+# the inner loop: everything but the end-to-end tests that start vLLM, Ray or several processes
+test-fast: lint typecheck
+	$(VENV)/bin/pytest -q -m "not slow"
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

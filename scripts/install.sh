@@ -38,7 +38,7 @@ TORCH_PINS=(torch==2.13.0 torchvision==0.28.0)
 COMMON=(
   "transformers==5.19.*" "tokenizers>=0.23.2" "ray[default]==2.60.*" "tensordict==0.15.*"
   "datasets==5.2.*" "qwen-vl-utils==0.0.14" jinja2 pillow "wandb==0.31.*" "omegaconf==2.4.*"
-  tensorboard matplotlib tqdm pyarrow pandas math-verify pytest pytest-timeout ruff
+  tensorboard matplotlib tqdm pyarrow pandas math-verify pytest pytest-timeout ruff "mypy==1.20.*" types-PyYAML
 )
 
 if [[ "$TARGET" == cpu ]]; then

@@ -17,23 +17,38 @@ import torch
 B = TypeVar("B", bound="SampleBatch")
 
 
+@dataclass
 class SampleBatch:
     """Row operations shared by the batch dataclasses. Fields that are None are carried as None."""
 
     def __len__(self) -> int:
-        for f in fields(self):  # type: ignore[arg-type]
+        for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, (torch.Tensor, list)):
                 return len(value)
         return 0
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Field `name`, which an earlier stage must have filled (optional fields start as None)."""
+        value = getattr(self, name)
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"the batch has no {name!r} yet: the stage that fills it has not run")
+        return value
+
+    def scored_parts(self) -> list[dict[str, float]]:
+        """Per-sample reward parts, which the reward stage fills (RolloutBatch only)."""
+        parts = getattr(self, "reward_parts", None)
+        if parts is None:
+            raise ValueError("the batch has no reward parts yet: it has not been scored")
+        return parts
 
     def select(self: B, index: torch.Tensor | list[int]) -> B:
         """Rows `index` (a list of ints or a 1-D long/bool tensor), in that order."""
         if isinstance(index, torch.Tensor):
             index = index.nonzero().flatten().tolist() if index.dtype == torch.bool else index.tolist()
         rows = list(index)
-        picked = {}
-        for f in fields(self):  # type: ignore[arg-type]
+        picked: dict[str, Any] = {}
+        for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 picked[f.name] = value[torch.as_tensor(rows, dtype=torch.long)]
@@ -58,8 +73,8 @@ class SampleBatch:
         """Rows of all `batches` in order. Tensors must share trailing shapes (pad first)."""
         if not batches:
             raise ValueError("concat needs at least one batch")
-        merged = {}
-        for f in fields(batches[0]):  # type: ignore[arg-type]
+        merged: dict[str, Any] = {}
+        for f in fields(batches[0]):
             values = [getattr(b, f.name) for b in batches]
             if isinstance(values[0], torch.Tensor):
                 merged[f.name] = torch.cat(values, dim=0)

@@ -1,5 +1,6 @@
 """Driver-side split and merge: padding to common widths keeps every token where it belongs."""
 
+import pytest
 import torch
 
 from vlrl.protocol import PromptBatch, RolloutBatch
@@ -59,3 +60,15 @@ def test_gather_rows_restores_order() -> None:
     shards = [[2, 0], [1, 3]]
     values = [torch.tensor([[20.0], [0.0]]), torch.tensor([[10.0], [30.0]])]
     assert gather_rows(shards, values, 4).flatten().tolist() == [0.0, 10.0, 20.0, 30.0]
+
+
+def test_unfilled_stage_outputs_fail_naming_the_field() -> None:
+    batch = _rollout([1, 2], [3, 4], eos_at=2, gid=0)
+    with pytest.raises(ValueError, match="'advantages'"):
+        batch.tensor("advantages")
+    with pytest.raises(ValueError, match="not been scored"):
+        batch.scored_parts()
+    batch.advantages = torch.ones(1, 2)
+    batch.reward_parts = [{"overall": 1.0}]
+    assert batch.tensor("advantages").shape == (1, 2)
+    assert batch.select([0, 0]).scored_parts() == [{"overall": 1.0}, {"overall": 1.0}]

@@ -155,7 +155,7 @@ class RLDataset(torch.utils.data.Dataset):
                 message += f" (columns: {', '.join(source.dataset.column_names)})"
             raise DataError(message + SKIP_HINT, file=source.name, row=row_idx) from err
         self.bad_rows.append(DataError(message, file=source.name, row=row_idx))
-        self.skipped_reasons[reason or getattr(err, "reason", "image")] += 1
+        self.skipped_reasons[reason or str(getattr(err, "reason", None) or "image")] += 1
 
     def _decoded_rows(self, source: Source, checker: ImageChecker, pending: list[_Pending]) -> list[_Pending]:
         """`pending` without the rows whose images do not decode (an error unless skipping)."""

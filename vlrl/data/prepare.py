@@ -52,6 +52,13 @@ class RowPreparer:
         self.min_pixels, self.max_pixels = self._pixel_bounds(config)
         self.used_keys = {config.prompt_key, config.answer_key, config.image_key, config.video_key}
 
+    @property
+    def vision(self) -> VisionSpec:
+        """The model's vision layout; only image paths ask for it, and only a VLM has one."""
+        if self.spec is None:
+            raise RuntimeError("this model has no vision tower: rows with images cannot be prepared")
+        return self.spec
+
     def _pixel_bounds(self, config: Any) -> tuple[int, int]:
         """Config bounds; None falls back to the image processor's own."""
         if self.processor is None:
@@ -59,7 +66,7 @@ class RowPreparer:
         size = getattr(self.processor.image_processor, "size", None) or {}
         low = config.min_pixels if config.min_pixels is not None else size.get("shortest_edge")
         high = config.max_pixels if config.max_pixels is not None else size.get("longest_edge")
-        factor = self.spec.factor
+        factor = self.vision.factor
         low, high = int(low or factor * factor), int(high or 16384 * factor * factor)
         if high < low or high < factor * factor:
             raise ValueError(
@@ -122,15 +129,15 @@ class RowPreparer:
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) within the pixel bounds, sides multiples of patch * merge."""
-        return smart_resize(height, width, self.spec.factor, self.min_pixels, self.max_pixels)
+        return smart_resize(height, width, self.vision.factor, self.min_pixels, self.max_pixels)
 
     def tokens_per_image(self, sizes: list[tuple[int, int]]) -> list[int]:
         """LLM tokens per image: (h / factor) * (w / factor) after the 2x2 merge."""
-        return [(h // self.spec.factor) * (w // self.spec.factor) for h, w in sizes]
+        return [(h // self.vision.factor) * (w // self.vision.factor) for h, w in sizes]
 
     def grid_thw(self, sizes: list[tuple[int, int]]) -> torch.Tensor:
         """[n_img, 3] predicted patch grids (t=1 for images)."""
-        patch = self.spec.patch_size
+        patch = self.vision.patch_size
         return torch.tensor([[1, h // patch, w // patch] for h, w in sizes], dtype=torch.long).reshape(-1, 3)
 
     # ---- the full preparation (run in __getitem__)
@@ -165,9 +172,10 @@ class RowPreparer:
         if not images:
             return torch.tensor(raw_ids, dtype=torch.long)
         if not use_processor:
-            expanded = expand_image_tokens(raw_ids, self.spec.image_token_id, self.tokens_per_image(sizes))
+            expanded = expand_image_tokens(raw_ids, self.vision.image_token_id, self.tokens_per_image(sizes))
             return torch.tensor(expanded, dtype=torch.long)
         # Images already have the target size: do_resize=False makes the processor's resize a no-op.
+        assert self.processor is not None  # a vision spec comes from a processor
         out = self.processor(text=[prompt], images=images, do_resize=False, return_tensors="pt")
         if not torch.equal(out["image_grid_thw"], grid):
             raise RuntimeError(

@@ -24,6 +24,7 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +134,7 @@ def _call_torch_varlen(fn, q3, k3, v3, cu, max_len: int, scale: float | None, ca
     there grouped kv heads are repeated and a non-default scale is folded into the queries.
     """
     params = _keyword_params(fn)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if k3.shape[1] != q3.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True

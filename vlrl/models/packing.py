@@ -69,18 +69,20 @@ def _vision_kwargs(
 
     `image_index` (per image in token order: its row in `grid`) when images are shared, see
     vlrl.models.shared_images."""
-    pv, gr = [], []
-    if pixel_values is not None:
+    pv: list[Tensor] = []
+    gr: list[Tensor] = []
+    if pixel_values is not None and grid is not None:
         pv.append(pixel_values)
         gr.append(grid)
-    if anchor is not None and anchor.pixel_values is not None:
+    if anchor is not None and anchor.pixel_values is not None and anchor.image_grid_thw is not None:
         pv.append(anchor.pixel_values)
         gr.append(anchor.image_grid_thw)
     if not pv:
         return {}
     kwargs: dict[str, Any] = {"pixel_values": torch.cat(pv, 0), "image_grid_thw": torch.cat(gr, 0)}
     if image_index is not None:
-        extra = [len(grid)] if anchor is not None and anchor.pixel_values is not None else []
+        anchored = anchor is not None and anchor.pixel_values is not None
+        extra = [0 if grid is None else len(grid)] if anchored else []  # the anchor's image comes last
         kwargs[IMAGE_INDEX_KWARG] = list(image_index) + extra
     return kwargs
 

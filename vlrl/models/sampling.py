@@ -45,8 +45,8 @@ def banned_token_ids(tokenizer: Any, hf_config: Any | None = None) -> list[int]:
     ids: set[int] = set()
     for key in _VISION_ID_KEYS:
         value = getattr(hf_config, key, None) if hf_config is not None else None
-        if value is None and getattr(hf_config, "text_config", None) is not None:
-            value = getattr(hf_config.text_config, key, None)
+        if value is None:
+            value = getattr(getattr(hf_config, "text_config", None), key, None)
         if value is not None:
             ids.add(int(value))
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)

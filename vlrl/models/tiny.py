@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -125,7 +126,7 @@ def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]
     from transformers import AutoConfig
 
     head_dim = size.hidden // size.heads
-    text = dict(
+    text: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=size.hidden,
         intermediate_size=size.intermediate,
@@ -146,7 +147,7 @@ def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]
     # mrope splits head_dim/2 rotary frequencies over (temporal, height, width).
     half = head_dim // 2
     section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
-    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section}
     vision_ids = dict(
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],

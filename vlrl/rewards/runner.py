@@ -297,7 +297,8 @@ class RewardRunner:
 
     def _finish(self, outcomes: list[Outcome]) -> RewardResult:
         failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, RewardFailure)]
-        messages, seen = [], {id(_NOT_SCORED)}
+        messages: list[str] = []
+        seen = {id(_NOT_SCORED)}
         for i, failure in failed:
             if len(messages) == MAX_FAILURE_MESSAGES:  # a broken reward can fail every sample
                 break

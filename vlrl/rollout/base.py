@@ -55,7 +55,7 @@ def resolve_sampling(
     unknown = sorted(set(overrides) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"unknown sampling override(s) {unknown}; valid keys: {list(SAMPLING_KEYS)}")
-    value = {key: overrides.get(key, getattr(config, key, None)) for key in SAMPLING_KEYS}
+    value: dict[str, Any] = {key: overrides.get(key, getattr(config, key, None)) for key in SAMPLING_KEYS}
     value["max_tokens"] = overrides.get("max_tokens", max_response_length)
     # The config's seed seeds the engine once at start-up; a call reseeds only when asked to.
     value["seed"] = overrides.get("seed")

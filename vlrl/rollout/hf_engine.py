@@ -69,7 +69,8 @@ class HFRolloutEngine(RolloutEngine):
             model_cls.from_pretrained(model_path, dtype=HF_DTYPES[config.dtype]).to(self.device).eval()
         )
         ids = ("image_token_id", "video_token_id")
-        self.mm_ids = [getattr(self.hf_config, k, None) for k in ids] if self.is_vision else []
+        # -1 (never a token) for a kind the model lacks: comparing ids with None would give a bool
+        self.mm_ids = [int(getattr(self.hf_config, k, None) or -1) for k in ids] if self.is_vision else []
         if self.is_vision and self.processor is None:
             raise ValueError("a vision-language model needs its processor for the HF rollout engine")
 
@@ -99,11 +100,12 @@ class HFRolloutEngine(RolloutEngine):
         if not self.is_vision:
             return {}
         image_id, video_id = self.mm_ids
-        types = (input_ids == image_id).int() + 2 * (input_ids == video_id).int()  # [N, P]
+        types = input_ids.eq(image_id).int() + 2 * input_ids.eq(video_id).int()  # [N, P]
         images = [img for row in prompts.images for _ in range(n) for img in row]
         if not images:
             return {"mm_token_type_ids": types}
         # Images were resized by the data pipeline (their token counts are in input_ids): no resize.
+        assert self.processor is not None  # checked in __init__ for vision models
         pixels = self.processor.image_processor(images=images, do_resize=False, return_tensors="pt")
         return {
             "mm_token_type_ids": types,

@@ -110,7 +110,9 @@ def uses_v2_runner(has_triton: bool | None = None) -> bool:
     if forced is not None:
         return forced
     if has_triton is None:
-        from vllm.triton_utils import HAS_TRITON as has_triton
+        from vllm.triton_utils import HAS_TRITON
+
+        has_triton = HAS_TRITON
     return bool(has_triton)
 
 
@@ -126,9 +128,7 @@ def ban_tokens_processor(token_ids: Sequence[int], use_v2: bool) -> type:
     frontend already inside `LLM()`).
     """
     banned = tuple(sorted(set(int(i) for i in token_ids)))
-    cls = _ban_tokens_v2(banned) if use_v2 else _ban_tokens_v1(banned)
-    cls.BANNED = banned
-    return cls
+    return _ban_tokens_v2(banned) if use_v2 else _ban_tokens_v1(banned)
 
 
 def _ban_index(banned: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:

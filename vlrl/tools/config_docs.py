@@ -16,8 +16,8 @@ from vlrl.config_loader import field_docs
 def _default(f) -> str:  # noqa: ANN001
     if f.default is not MISSING:
         return repr(f.default)
-    if f.default_factory is not MISSING:  # type: ignore[misc]
-        return repr(f.default_factory())  # type: ignore[misc]
+    if f.default_factory is not MISSING:
+        return repr(f.default_factory())
     return ""
 
 
@@ -27,14 +27,14 @@ def _section(cls: type, prefix: str, out: list[str]) -> None:
         f
         for f in fields(cls)
         if not is_dataclass(f.default_factory() if f.default_factory is not MISSING else None)
-    ]  # type: ignore[misc]
+    ]
     if leaves:
         out += [f"\n### `{prefix.rstrip('.')}`\n", "| key | default | meaning |", "| --- | --- | --- |"]
         for f in leaves:
             out.append(f"| `{prefix}{f.name}` | `{_default(f)}` | {docs.get(f.name, '').replace('|', '/')} |")
     for f in fields(cls):
-        if f.default_factory is not MISSING and is_dataclass(f.default_factory()):  # type: ignore[misc]
-            _section(type(f.default_factory()), prefix + f.name + ".", out)  # type: ignore[misc]
+        if f.default_factory is not MISSING and is_dataclass(f.default_factory()):
+            _section(type(f.default_factory()), prefix + f.name + ".", out)
 
 
 def render() -> str:

@@ -17,7 +17,7 @@ class TrainingData:
 
         model = config.worker.actor.model
         self.tokenizer, self.processor = load_processor(
-            model.tokenizer_path, config.data.override_chat_template
+            model.tokenizer_path or model.model_path, config.data.override_chat_template
         )
         hf_config = AutoConfig.from_pretrained(model.model_path, trust_remote_code=model.trust_remote_code)
         self.train_loader, self.val_loader = create_dataloaders(

@@ -49,8 +49,8 @@ def _pad_rollout(batch: RolloutBatch, width_p: int, width_r: int, pad_id: int) -
     batch.input_ids = both(batch.input_ids, pad_id)
     batch.attention_mask = both(batch.attention_mask, 0)
     batch.position_ids = both(batch.position_ids, 0)
-    batch.responses = tail(batch.responses, pad_id)
-    batch.response_mask = tail(batch.response_mask, 0)
+    batch.responses = F.pad(batch.responses, (0, right), value=pad_id)
+    batch.response_mask = F.pad(batch.response_mask, (0, right), value=0)
     batch.rollout_log_probs = tail(batch.rollout_log_probs, 0.0)
     batch.prompt_length = width_p
     return batch

@@ -46,11 +46,11 @@ def batch_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, fl
     mask = batch.response_mask.bool()  # [N, R]
     response_len = batch.response_mask.sum(-1)  # [N]
     prompt_len = batch.attention_mask[:, : batch.prompt_length].sum(-1)  # [N]
-    scores = batch.token_level_scores.sum(-1)  # [N]
+    scores = batch.tensor("token_level_scores").sum(-1)  # [N]
     metrics = {
         **_stats("critic/score", scores),
-        **_stats("critic/rewards", batch.token_level_rewards.sum(-1)),
-        **_stats("critic/advantages", batch.advantages[mask]),
+        **_stats("critic/rewards", batch.tensor("token_level_rewards").sum(-1)),
+        **_stats("critic/advantages", batch.tensor("advantages")[mask]),
         **_stats("response_length", response_len),
         **_stats("prompt_length", prompt_len),
         "response_length/clip_ratio": (response_len >= max_response_length).float().mean().item(),

@@ -20,13 +20,7 @@ from typing import Any
 
 import torch
 
-from vlrl.algorithms import (
-    AdaptiveKLController,
-    FixedKLController,
-    apply_kl_penalty,
-    compute_advantages,
-    filter_groups,
-)
+from vlrl.algorithms import apply_kl_penalty, compute_advantages, filter_groups, make_kl_controller
 from vlrl.config import PPOConfig
 from vlrl.models.sampling import truncation_warning
 from vlrl.protocol import PromptBatch, RolloutBatch
@@ -54,13 +48,11 @@ class RayPPOTrainer:
         self.tokenizer = self.data.tokenizer
         self.rewards = RewardRunner(config.worker.reward)  # a bad reward file fails here, at start-up
         algo = config.algorithm
-        self.kl_ctrl = (
-            AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
-            if algo.kl_type == "adaptive"
-            else FixedKLController(algo.kl_coef)
-        )
-        self.checkpoints = CheckpointManager(config.trainer.save_checkpoint_path, config.trainer.save_limit)
-        self.run_dir = os.path.join(config.trainer.save_checkpoint_path, "logs")
+        self.kl_ctrl = make_kl_controller(algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon)
+        run_root = config.trainer.save_checkpoint_path
+        assert run_root is not None  # PPOConfig.finalize() fills it in
+        self.checkpoints = CheckpointManager(run_root, config.trainer.save_limit)
+        self.run_dir = os.path.join(run_root, "logs")
         self.tracker = Tracker(config.trainer.logger, config.trainer.project_name, config.trainer.experiment_name,
                                self.run_dir, config.to_dict())  # fmt: skip
         self.global_step = 0
@@ -73,7 +65,7 @@ class RayPPOTrainer:
         start_ray(config)
         self.ranks = RankGroup(config)
         check_shared_filesystem(  # before the (long) model loading
-            config.trainer.save_checkpoint_path,
+            run_root,
             lambda *probe: self.ranks.call_all("probe_shared_path", *probe),
         )
         self.ranks.call_all("setup", self.data.max_images_per_prompt, self._optimizer_steps())
@@ -150,10 +142,10 @@ class RayPPOTrainer:
                         batch.ref_log_probs = gather_rows(shards, [ref for _, ref in results], n)
             # 4. KL penalty in the reward (GRPO instead puts KL in the loss: algorithm.use_kl_loss)
             with timer("adv"):
-                batch.token_level_rewards = batch.token_level_scores
+                batch.token_level_rewards = batch.tensor("token_level_scores")
                 if batch.ref_log_probs is not None and not algo.use_kl_loss:
                     batch.token_level_rewards, current_kl = apply_kl_penalty(
-                        batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs,
+                        batch.tensor("token_level_scores"), batch.tensor("old_log_probs"), batch.ref_log_probs,
                         batch.response_mask, self.kl_ctrl.value, algo.kl_penalty,
                     )  # fmt: skip
                     self.kl_ctrl.update(current_kl, n_steps=len(batch))
@@ -222,7 +214,7 @@ class RayPPOTrainer:
                 metrics.update(reward_metrics)  # rewards before filtering: what the policy does
             if not algo.online_filtering:
                 return batch, metrics
-            values = torch.tensor([parts.get(algo.filter_key, 0.0) for parts in batch.reward_parts])
+            values = torch.tensor([parts.get(algo.filter_key, 0.0) for parts in batch.scored_parts()])
             keep = filter_groups(values, batch.group_ids, algo.filter_low, algo.filter_high)
             kept.append(batch.select(keep))
             n_groups += len(set(batch.group_ids[keep].tolist()))
@@ -257,7 +249,9 @@ class RayPPOTrainer:
         """ReMax: each sample's baseline is the reward of a greedy response to its prompt. [N]"""
         greedy = self._generate(prompts, {"n": 1, "temperature": 0.0})
         self._score(greedy)
-        by_uid = {uid: parts["overall"] for uid, parts in zip(greedy.group_ids.tolist(), greedy.reward_parts)}
+        by_uid = {
+            uid: parts["overall"] for uid, parts in zip(greedy.group_ids.tolist(), greedy.scored_parts())
+        }
         return torch.tensor([by_uid[uid] for uid in batch.group_ids.tolist()])
 
     # ------------------------------------------------------------------------ validation
@@ -267,10 +261,11 @@ class RayPPOTrainer:
         samples: list[dict[str, Any]] = []
         lengths = []
         start = time.perf_counter()
+        assert self.data.val_loader is not None  # the loop validates only when there is val data
         for prompts in self.data.val_loader:
             batch = self._generate(prompts, overrides)
             self._score(batch)
-            parts.extend(batch.reward_parts)
+            parts.extend(batch.scored_parts())
             lengths.extend(batch.response_mask.sum(-1).tolist())
             if len(samples) < self.config.trainer.val_generations_to_log:
                 samples.extend(self._generation_samples(batch))
@@ -289,7 +284,7 @@ class RayPPOTrainer:
             {"prompt": prompt[-200:], "response": self.tokenizer.decode(row[:n], skip_special_tokens=True),
              "ground_truth": truth, "score": parts.get("overall")}
             for prompt, row, n, truth, parts in zip(batch.prompts, batch.responses.tolist(), lengths,
-                                                     batch.ground_truths, batch.reward_parts)
+                                                     batch.ground_truths, batch.scored_parts())
         ]  # fmt: skip
 
     # ------------------------------------------------------------------------ checkpoints

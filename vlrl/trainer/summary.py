@@ -30,7 +30,7 @@ def write_summary(history: list[dict[str, float]], config: PPOConfig) -> None:
         print(f"[vlrl] wrote {path}", flush=True)
 
 
-def plot_history(steps: list[int], rewards: list[float], lengths: list[float], path: str) -> None:
+def plot_history(steps: list[float], rewards: list[float], lengths: list[float], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

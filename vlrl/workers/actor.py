@@ -202,12 +202,13 @@ class Actor(ShardedModel):
             if len(minis) != 1:
                 raise ValueError(f"an on-policy update takes one mini-batch, this batch makes {len(minis)}")
             batch.old_log_probs = torch.zeros(batch.responses.shape, dtype=torch.float32)
+        computed_old = batch.old_log_probs
         for _ in range(self.cfg.ppo_epochs):
             for rows in minis:
                 mini = batch.select(rows)
                 log_probs = self.forward_backward(mini, stats, image_anchor, on_policy)
-                if on_policy and rows:
-                    batch.old_log_probs[rows] = log_probs
+                if on_policy and rows and computed_old is not None:
+                    computed_old[rows] = log_probs
                 if self.cfg.skip_steps_without_advantage and not self._has_advantage(mini):
                     self.skip_step(stats)
                 else:
@@ -238,7 +239,11 @@ class Actor(ShardedModel):
         cfg, algo, dev = self.cfg, self.config.algorithm, self.device
         computed = torch.zeros(mini.responses.shape, dtype=torch.float32)
         num_tokens, num_seqs = self._all_reduce(list(count_tokens_and_seqs(mini.response_mask)))
-        agg = {"loss_avg_mode": cfg.loss_avg_mode, "num_tokens": num_tokens, "num_seqs": num_seqs}
+        agg: dict[str, Any] = {
+            "loss_avg_mode": cfg.loss_avg_mode,
+            "num_tokens": num_tokens,
+            "num_seqs": num_seqs,
+        }
         temperature = self.config.worker.rollout.temperature
         for rows in self.plan_micro_batches(mini, cfg.micro_batch_size_per_device_for_update):
             mb = mini.select(rows)
@@ -248,12 +253,12 @@ class Actor(ShardedModel):
             mask = mb.response_mask.to(dev)
             if rows:
                 computed[rows] = out.log_probs.detach().cpu()
-            old = out.log_probs.detach() if on_policy else mb.old_log_probs.to(dev)
+            old = out.log_probs.detach() if on_policy else mb.tensor("old_log_probs").to(dev)
             pg, metrics = compute_policy_loss(
                 cfg.policy_loss,
                 old,
                 out.log_probs,
-                mb.advantages.to(dev),
+                mb.tensor("advantages").to(dev),
                 mask,
                 clip_ratio_low=cfg.clip_ratio_low,
                 clip_ratio_high=cfg.clip_ratio_high,
@@ -262,16 +267,20 @@ class Actor(ShardedModel):
             )
             loss, kl = pg, torch.zeros((), device=dev)
             if algo.use_kl_loss:
-                kl = compute_kl_loss(out.log_probs, mb.ref_log_probs.to(dev), mask, algo.kl_penalty, **agg)
+                kl = compute_kl_loss(
+                    out.log_probs, mb.tensor("ref_log_probs").to(dev), mask, algo.kl_penalty, **agg
+                )
                 loss = loss + algo.kl_coef * kl
+            entropy_all = out.entropy
+            assert entropy_all is not None  # asked for with_entropy=True
             if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * aggregate_loss(
-                    out.entropy, mask, cfg.loss_avg_mode, num_tokens, num_seqs
+                    entropy_all, mask, cfg.loss_avg_mode, num_tokens, num_seqs
                 )
             # x world size: FSDP averages the ranks' gradients, we want their sum.
             ((loss + out.anchor) * self.world_size).backward()
             tokens = int(mask.sum())
-            entropy = float((out.entropy.detach() * mask).sum() / max(tokens, 1))
+            entropy = float((entropy_all.detach() * mask).sum() / max(tokens, 1))
             stats.add_micro(metrics, entropy, tokens, float(pg.detach()), float(kl.detach()))
         return computed
 
@@ -288,7 +297,7 @@ class Actor(ShardedModel):
 
     def _has_advantage(self, mini: RolloutBatch) -> bool:
         """Whether any rank's mini-batch has a non-zero advantage on a response token."""
-        local = float((mini.advantages * mini.response_mask).abs().sum() > 0) if len(mini) else 0.0
+        local = float((mini.tensor("advantages") * mini.response_mask).abs().sum() > 0) if len(mini) else 0.0
         return self._all_reduce([local], dist.ReduceOp.MAX)[0] > 0
 
     def skip_step(self, stats: _UpdateStats) -> None:
@@ -338,7 +347,7 @@ class Actor(ShardedModel):
 
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)  # creates missing optim states
         placement = state_placement(self.optimizer)  # before load_state_dict recasts them
-        state = {"model": model_sd, "optim": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(path, "dcp")))
         set_state_dict(
             self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]

@@ -73,9 +73,9 @@ class SafeFileSystemReader(FileSystemReader):
             metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise pickle.UnpicklingError(f"{path} does not hold torch.distributed.checkpoint metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 
@@ -101,7 +101,9 @@ def rng_state() -> dict[str, Any]:
         "python": {"version": version, "state": list(mt_words), "gauss": gauss},
         "numpy": {
             "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),  # uint32 words; int64 holds them exactly
+            "keys": torch.from_numpy(
+                np.asarray(keys, dtype=np.int64)
+            ),  # uint32 words; int64 holds them exactly
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),

@@ -123,7 +123,7 @@ def broadcast_weights_from_rank0(model: torch.nn.Module, full_state: dict[str, t
     if device.type == "meta":
         raise ValueError("call model.to_empty(device=...) before broadcasting")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full_state if rank == 0 else {}, options=options)
+    set_model_state_dict(model, (full_state or {}) if rank == 0 else {}, options=options)  # type: ignore[arg-type]
     for buffer in model.buffers():
         dist.broadcast(buffer.data, src=0)
 
@@ -132,7 +132,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Gathered full weights on CPU, on rank 0 (other ranks get {}). Collective: every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state  # type: ignore[return-value]  # full_state_dict=True gives plain tensors
 
 
 def move_params(model: torch.nn.Module, device: torch.device | str) -> None:

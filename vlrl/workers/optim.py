@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -34,7 +35,7 @@ class AdamWBf16(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
 
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -65,7 +66,7 @@ class AdamWBf16(torch.optim.Optimizer):
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW (`optim.strategy=adamw`) or AdamWBf16 (`adamw_bf16`) over `params`."""
     params = list(params)
-    kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "weight_decay": cfg.weight_decay}
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": tuple(cfg.betas), "weight_decay": cfg.weight_decay}
     if cfg.strategy == "adamw":
         return torch.optim.AdamW(params, **kwargs)
     if cfg.strategy == "adamw_bf16":

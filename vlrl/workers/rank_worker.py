@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vlrl.config import PPOConfig
 from vlrl.protocol import PromptBatch, RolloutBatch
+
+if TYPE_CHECKING:
+    from vlrl.rollout.base import RolloutEngine
+    from vlrl.workers.actor import Actor
+    from vlrl.workers.reference import Reference
 
 
 class RankWorker:
@@ -32,7 +37,10 @@ class RankWorker:
         self.device = torch.device(
             f"cuda:{torch.cuda.current_device()}" if config.trainer.device == "cuda" else "cpu"
         )
-        self.actor = self.reference = self.rollout = None
+        # built by setup(), which the driver calls once the world is up
+        self.actor: Actor
+        self.rollout: RolloutEngine
+        self.reference: Reference | None = None
 
     def setup(self, limit_images: int, optimizer_steps: int) -> dict[str, float]:
         """Load the models and the engine, then give the engine the actor's weights.
@@ -45,7 +53,9 @@ class RankWorker:
         from vlrl.workers.reference import Reference
 
         model = self.config.worker.actor.model
-        tokenizer, processor = load_processor(model.tokenizer_path, self.config.data.override_chat_template)
+        tokenizer, processor = load_processor(
+            model.tokenizer_path or model.model_path, self.config.data.override_chat_template
+        )
         self.actor = Actor(self.config, model.model_path, processor, self.device, total_steps=optimizer_steps)
         if self.config.use_reference:
             # shares the actor's per-step cache of image tensors: each image is processed once
@@ -89,7 +99,7 @@ class RankWorker:
         ref = self.reference.compute_log_probs(batch, temperature) if self.reference is not None else None
         return old, ref
 
-    def update(self, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor]:
+    def update(self, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor | None]:
         """One PPO update on this rank's shard, then push the new weights to the engine.
 
         Returns the metrics and the old log-probs [N, R] (computed by the update itself when the

@@ -65,7 +65,7 @@ class ShardedModel:
         self.dynamic_batching = config.worker.actor.dynamic_batching
         self.max_token_len = config.worker.actor.max_token_len_per_device or 0
         self.module = self._build(model_path, model_cfg, fsdp_cfg, trainable)
-        self.hf_config = self.module.config
+        self.hf_config: Any = self.module.config  # a transformers PretrainedConfig
         self.is_vlm = is_vision_model(self.hf_config)
         self.mrope = self.is_vlm
         self.processor = processor
@@ -174,14 +174,19 @@ class ShardedModel:
         if self.vision is not None:
             # the vision tower encodes each distinct image once (vlrl.models.shared_images)
             pv, grid, index = self.vision.collate_shared(mb.images)
-            pv, grid = (pv.to(dev), grid.to(dev)) if pv is not None else (None, None)
+            pv, grid = (pv.to(dev), grid.to(dev)) if pv is not None and grid is not None else (None, None)
         anchor = None
         if image_anchor and pv is None:
             anchor = self.image_anchor
         elif len(mb) == 0:
             anchor = self.text_anchor
         args = (mb.input_ids.to(dev), mb.attention_mask.to(dev), mb.position_ids.to(dev), mb.prompt_length)
-        kwargs = {"pixel_values": pv, "image_grid_thw": grid, "image_index": index, "anchor": anchor}
+        kwargs: dict[str, Any] = {
+            "pixel_values": pv,
+            "image_grid_thw": grid,
+            "image_index": index,
+            "anchor": anchor,
+        }
         if self.padding_free:
             inputs = build_packed_inputs(*args, **kwargs, attention_backend=self.attention_backend)
         else:

@@ -84,8 +84,12 @@ def check_attention(ctx: Context, outcome: Outcome) -> None:
     k = torch.randn(1, kv_heads, total, dim, generator=gen).to(dev, torch.bfloat16)
     v = torch.randn(1, kv_heads, total, dim, generator=gen).to(dev, torch.bfloat16)
     grad_out = torch.randn(1, total, heads, dim, generator=gen).to(dev)
-    exact_out, exact_grads, _ = _run(lambda *x: _reference(*x, lengths, torch.float32), q, k, v, grad_out)
-    bf16_out, bf16_grads, _ = _run(lambda *x: _reference(*x, lengths, torch.bfloat16), q, k, v, grad_out)
+    exact_out, exact_grads, _ = _run(
+        lambda *x: _reference(x[0], x[1], x[2], lengths, torch.float32), q, k, v, grad_out
+    )
+    bf16_out, bf16_grads, _ = _run(
+        lambda *x: _reference(x[0], x[1], x[2], lengths, torch.bfloat16), q, k, v, grad_out
+    )
     baseline = [_err(bf16_out, exact_out)] + [_err(a, b) for a, b in zip(bf16_grads, exact_grads)]
     outcome.details.update(lengths=lengths, heads=heads, kv_heads=kv_heads, head_dim=dim,
                            sdpa_bf16_error={"out_dq_dk_dv": baseline})  # fmt: skip

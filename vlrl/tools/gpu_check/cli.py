@@ -70,7 +70,7 @@ def run_suite(
     ctx: Any,
     limit_scale: float = 1.0,
     log: Callable[[str], None] = print,
-    on_result: Callable[[list[CheckResult]], None] | None = None,
+    on_result: Callable[[list[CheckResult]], Any] | None = None,
 ) -> list[CheckResult]:
     """Run `specs` one after another; each is independent (a failure is recorded, the rest run).
 

@@ -80,10 +80,11 @@ def prompt_batch(
     for i in range(count):
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10)))
         with_image = image_size is not None and processor is not None and i % 2 == 0
+        side = image_size or 0
         row = {
             data_config.prompt_key: ("<image> " if with_image else "") + text,
             data_config.answer_key: "red",
-            data_config.image_key: [_image(np_rng, image_size, image_size)] if with_image else [],
+            data_config.image_key: [_image(np_rng, side, side)] if with_image else [],
         }
         samples.append(preparer.sample(row, "", 1000 + i, use_processor=False))
     return collate_prompts(samples, tokenizer.pad_token_id)

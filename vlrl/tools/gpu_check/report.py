@@ -62,8 +62,10 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     The signal is delivered between Python bytecodes, so a long CUDA kernel finishes first; the
     check then stops at its next Python line. Elsewhere (other threads, no SIGALRM) no limit applies.
     """
-    usable = seconds and hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
-    if not usable:
+    usable = (
+        bool(seconds) and hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
+    )
+    if not usable or seconds is None:
         yield
         return
 

@@ -104,7 +104,7 @@ def check_rank_worker(ctx: Context, outcome: Outcome) -> None:
         outcome.expect(len(batch) == len(prompts) * 2, f"generate returned {len(batch)} rows")
 
         t = time.perf_counter()
-        old, ref = worker.compute_log_probs(batch)
+        old, ref = _old_and_ref(worker, batch)
         phase("log_probs", t)
         outcome.expect(ref is not None, "no reference log-probs although the KL loss is on")
         ref_gap = _masked_max(old, ref, mask) if ref is not None else float("nan")
@@ -135,7 +135,7 @@ def check_rank_worker(ctx: Context, outcome: Outcome) -> None:
             outcome.expect(all(all(e.endswith("@cpu") for e in v) for k, v in offloaded.items() if k != "step"),
                            f"optimizer states not offloaded between updates: {offloaded}")  # fmt: skip
 
-        before_save, _ = worker.compute_log_probs(batch, with_old=True)
+        before_save, _ = _old_and_ref(worker, batch)
         moved = _masked_max(before_save, old, mask)
         outcome.expect(moved > 1e-4, f"3 updates did not change the log-probs (max change {moved:.3g})")
         layout_saved = optimizer_layout(worker.actor.optimizer)
@@ -145,11 +145,11 @@ def check_rank_worker(ctx: Context, outcome: Outcome) -> None:
         phase("checkpoint", t)
 
         worker.update(batch)  # move away from the saved state, so resume has something to restore
-        after_extra, _ = worker.compute_log_probs(batch, with_old=True)
+        after_extra, _ = _old_and_ref(worker, batch)
         t = time.perf_counter()
         worker.load_checkpoint(ckpt)
         phase("resume", t)
-        resumed, _ = worker.compute_log_probs(batch, with_old=True)
+        resumed, _ = _old_and_ref(worker, batch)
         resume_gap, extra_gap = (
             _masked_max(resumed, before_save, mask),
             _masked_max(after_extra, before_save, mask),
@@ -196,3 +196,10 @@ def _saved_weight_gap(folder: str, state: dict[str, torch.Tensor], hf_config: An
     if missing:
         raise KeyError(f"model-only save lacks {len(missing)} tensors, e.g. {missing[:3]}")
     return max(float((saved[k].float() - v.float()).abs().max()) for k, v in state.items())
+
+
+def _old_and_ref(worker: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rank worker's old (always asked for) and reference log-probs [N, R]."""
+    old, ref = worker.compute_log_probs(batch, with_old=True)
+    assert old is not None
+    return old, ref
