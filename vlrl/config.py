@@ -233,7 +233,14 @@ class ActorConfig(_Section):
     dynamic_batching: bool = False
     """Form micro-batches by a token budget (`max_token_len_per_device`) instead of a sample count."""
     max_token_len_per_device: int | None = None
-    """Token budget per micro-batch with dynamic batching; default: 2 x (prompt + response length)."""
+    """Token budget per micro-batch with dynamic batching; default: 2 x (prompt + response length).
+    Per device: with ulysses_size > 1 a micro-batch holds up to ulysses_size times as many tokens."""
+    ulysses_size: int = 1
+    """Ulysses sequence parallelism: groups of this many ranks get the same rows and each runs 1/size
+    of every packed micro-batch's tokens (attention exchanges heads for tokens with all-to-alls), so
+    activation memory per rank falls by about this factor. Must divide the world size and the text
+    decoder's attention heads (key/value heads: divide or be divided by it); needs padding_free.
+    Applies to the actor and the reference. Data parallelism is over world / ulysses_size groups."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (0 disables the extra pass)."""
     skip_steps_without_advantage: bool = True
@@ -447,7 +454,13 @@ class PPOConfig(_Section):
     @property
     def samples_per_minibatch_per_rank(self) -> int:
         """Sequences each rank feeds one optimizer step."""
-        return self.worker.actor.global_batch_size * self.worker.rollout.n // self.world_size
+        return self.worker.actor.global_batch_size * self.worker.rollout.n // self.dp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel groups of the actor: ranks / worker.actor.ulysses_size (a group's ranks get
+        the same rows)."""
+        return self.world_size // max(self.worker.actor.ulysses_size, 1)
 
     @property
     def on_policy_update(self) -> bool:

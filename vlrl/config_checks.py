@@ -19,6 +19,7 @@ SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "seed", "ignore_eos", "ma
 def check_config(config: PPOConfig) -> list[str]:
     errors: list[str] = []
     for check in (
+        _check_sequence_parallel,
         _check_batch_sizes,
         _check_algorithm,
         _check_rollout,
@@ -54,10 +55,14 @@ def _check_batch_sizes(config: PPOConfig) -> list[str]:
             f"data.rollout_batch_size={data.rollout_batch_size} must be divisible by "
             f"worker.actor.global_batch_size={actor.global_batch_size}"
         )
-    if (actor.global_batch_size * n) % world:
+    if _check_sequence_parallel(config):
+        return errors  # the data-parallel group count is undefined; reported there
+    dp = config.dp_size
+    if (actor.global_batch_size * n) % dp:
         errors.append(
             f"worker.actor.global_batch_size={actor.global_batch_size} x worker.rollout.n={n} must be divisible "
-            f"by the world size {world} (trainer.nnodes x trainer.n_gpus_per_node)"
+            f"by the {dp} data-parallel groups (world size {world} = trainer.nnodes x trainer.n_gpus_per_node, "
+            f"divided by worker.actor.ulysses_size={actor.ulysses_size})"
         )
     elif (
         not actor.dynamic_batching
@@ -65,13 +70,33 @@ def _check_batch_sizes(config: PPOConfig) -> list[str]:
     ):
         errors.append(
             f"each rank gets {config.samples_per_minibatch_per_rank} samples per optimizer step "
-            f"(global_batch_size x n / world size), which must be divisible by "
+            f"(global_batch_size x n / data-parallel groups), which must be divisible by "
             f"worker.actor.micro_batch_size_per_device_for_update={actor.micro_batch_size_per_device_for_update}"
         )
     mini = data.mini_rollout_batch_size
     if mini is not None and (mini < 1 or data.rollout_batch_size % mini):
         errors.append(
             f"data.rollout_batch_size={data.rollout_batch_size} must be divisible by data.mini_rollout_batch_size={mini}"
+        )
+    return errors
+
+
+def _check_sequence_parallel(config: PPOConfig) -> list[str]:
+    """worker.actor.ulysses_size: divides the world, packed rows only (the model's heads are checked
+    when it is loaded, vlrl.models.ulysses.head_errors)."""
+    actor, world, size = config.worker.actor, config.world_size, config.worker.actor.ulysses_size
+    if size < 1:
+        return [f"worker.actor.ulysses_size={size} must be >= 1"]
+    errors = []
+    if world % size:
+        errors.append(
+            f"worker.actor.ulysses_size={size} must divide the world size {world} "
+            "(trainer.nnodes x trainer.n_gpus_per_node)"
+        )
+    if size > 1 and not (actor.padding_free and config.worker.ref.padding_free):
+        errors.append(
+            f"worker.actor.ulysses_size={size} splits packed rows: set worker.actor.padding_free=true and "
+            "worker.ref.padding_free=true"
         )
     return errors
 

@@ -45,11 +45,12 @@ def _image(rng: random.Random, factor: int) -> Image.Image:
 
 def make_batch(
     model_dir: str,
-    specs: list[tuple[bool, int]],
+    specs: list[tuple[bool | int, int]],
     group_size: int = 1,
     seed: int = 0,
 ) -> RolloutBatch:
-    """One prompt per spec (with an image or not, response length), each repeated `group_size` times.
+    """One prompt per spec (with an image or not, or a number of images; response length), each
+    repeated `group_size` times.
 
     Prompts have different lengths (left-padded), responses different lengths (right-padded with
     pad after an EOS). Samples of one group share their image objects, like a real rollout.
@@ -62,12 +63,12 @@ def make_batch(
     prompts, positions, images, responses = [], [], [], []
     for with_image, resp_len in specs:
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))
-        content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": text}]
+        content = [{"type": "image"}] * int(with_image) + [{"type": "text", "text": text}]
         messages = [{"role": "user", "content": content}]
         if processor is not None:
             rendered = processor.apply_chat_template(messages, add_generation_prompt=True)
             ip = processor.image_processor
-            imgs = [_image(rng, ip.patch_size * ip.merge_size)] if with_image else []
+            imgs = [_image(rng, ip.patch_size * ip.merge_size) for _ in range(int(with_image))]
             out = processor(text=[rendered], images=imgs or None, return_tensors="pt")
             ids = out["input_ids"][0]
             grid = out.get("image_grid_thw")

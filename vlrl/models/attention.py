@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vlrl.models.ulysses import SequenceParallel, heads_to_seq, repeat_kv_for, seq_to_heads
+
 VARLEN_ATTENTION = "vlrl_varlen"
 # "flash" in the name is what makes transformers' vision attention pass the window boundaries
 VISION_ATTENTION = "vlrl_flash_varlen_vision"
@@ -43,6 +45,7 @@ class VarlenInfo:
     cu_seqlens: torch.Tensor  # [S + 1] int32 cumulative lengths, on the compute device
     lengths: list[int]  # the S lengths as Python ints (no device sync inside the layers)
     backend: str = "auto"
+    sp: SequenceParallel | None = None  # Ulysses: the layers see 1/sp of the tokens (see ulysses.py)
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -60,13 +63,15 @@ class VarlenInfo:
         return self._mask
 
 
-def make_varlen_info(lengths: list[int], device: torch.device | str, backend: str = "auto") -> VarlenInfo:
-    """A `VarlenInfo` for sequences of `lengths` packed in this order."""
+def make_varlen_info(
+    lengths: list[int], device: torch.device | str, backend: str = "auto", sp: SequenceParallel | None = None
+) -> VarlenInfo:
+    """A `VarlenInfo` for sequences of `lengths` packed in this order (the whole row, also with sp)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown varlen attention backend {backend!r}; valid: {list(BACKENDS)}")
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
-    return VarlenInfo(cu_seqlens=cu.to(device), lengths=list(lengths), backend=backend)
+    return VarlenInfo(cu_seqlens=cu.to(device), lengths=list(lengths), backend=backend, sp=sp)
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # the only dtypes the flash kernels take
@@ -223,15 +228,25 @@ def varlen_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one row, got a batch of {query.shape[0]}")
-    backend = _resolve_backend(vlrl_varlen.backend, query.device, query.dtype)
-    if backend in ("flash", "torch_varlen"):
-        out = _flash_varlen(query, key, value, vlrl_varlen, scaling, dropout, backend)
-    elif backend == "mask":
-        mask = vlrl_varlen.block_causal_mask()
-        out = _sdpa(query, key, value, causal=False, mask=mask, scale=scaling, dropout=dropout)
-    else:  # loop: each sequence attends only to itself
-        out = _loop(query, key, value, vlrl_varlen.lengths, scaling, dropout, causal=True)
+    sp = vlrl_varlen.sp
+    if sp is not None:  # Ulysses: my tokens of all heads -> my heads of all tokens, and back after
+        query = seq_to_heads(query, sp)
+        key, value = (seq_to_heads(repeat_kv_for(x, sp), sp) for x in (key, value))
+    out = _packed_attention(query, key, value, vlrl_varlen, scaling, dropout)
+    if sp is not None:
+        out = heads_to_seq(out, sp)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_attention(query, key, value, info: VarlenInfo, scaling: float | None, dropout: float):
+    """Causal attention within each packed sequence: q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]."""
+    backend = _resolve_backend(info.backend, query.device, query.dtype)
+    if backend in ("flash", "torch_varlen"):
+        return _flash_varlen(query, key, value, info, scaling, dropout, backend)
+    if backend == "mask":
+        mask = info.block_causal_mask()
+        return _sdpa(query, key, value, causal=False, mask=mask, scale=scaling, dropout=dropout)
+    return _loop(query, key, value, info.lengths, scaling, dropout, causal=True)  # each sequence alone
 
 
 def vision_varlen_attention_forward(

@@ -12,6 +12,12 @@ Either way only the logits that score response tokens are computed (`logits_to_k
 positions), so the lm-head never runs over prompt tokens. An optional extra "anchor" sequence (a
 dummy image or one text token) can be appended: its logit enters the loss times zero, so every
 rank runs the same FSDP collectives even with no images / no samples (see vlrl.workers.vision).
+
+With Ulysses sequence parallelism (`sp`, vlrl.models.ulysses) every rank of the group builds the
+same packed row, padded to a multiple of sp with a separate sequence of pad tokens, and keeps its
+1/sp slice of the tokens: ids, positions, the kept logits, and (through `vlrl_image_rows`) the
+image features of its image tokens. Each rank scores its slice; `forward_log_probs` gathers the
+log-probs so every rank of the group sees the whole micro-batch's [N, R] (with autograd).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from torch.utils.checkpoint import checkpoint
 
 from vlrl.models.attention import make_varlen_info
 from vlrl.models.sampling import SamplingDistribution
-from vlrl.models.shared_images import IMAGE_INDEX_KWARG
+from vlrl.models.shared_images import IMAGE_INDEX_KWARG, IMAGE_ROWS_KWARG
+from vlrl.models.ulysses import SequenceParallel, gather_tokens, token_bounds
 
 LOGIT_CHUNK = 2048  # rows of logits upcast to fp32 at a time: bounds the [M, V] fp32 temporaries
 
@@ -52,6 +59,8 @@ class ForwardInputs:
     response_length: int  # R
     has_anchor: bool  # the last kept logit belongs to the anchor sequence
     padded: bool  # logits come back [N(+1), R+1, V] instead of [1, M(+1), V]
+    sp: SequenceParallel | None = None  # Ulysses: logits come back for this rank's slice only
+    sp_counts: list[int] | None = None  # scored response tokens in each rank's slice (anchor excluded)
 
 
 def scored_positions(attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:
@@ -98,8 +107,14 @@ def build_packed_inputs(
     image_index: list[int] | None = None,
     anchor: Anchor | None = None,
     attention_backend: str = "auto",
+    sp: SequenceParallel | None = None,
+    pad_token_id: int = 0,
+    image_token_id: int | None = None,
 ) -> ForwardInputs:
-    """Pack rows [N, L] into one row [1, T]; position_ids [N, L] or [N, 3, L] -> [1, T] or [3, 1, T]."""
+    """Pack rows [N, L] into one row [1, T]; position_ids [N, L] or [N, 3, L] -> [1, T] or [3, 1, T].
+
+    With `sp`: this rank's slice [1, T'/sp] of the row padded to T' with `pad_token_id` (see
+    `_sequence_slice`); `image_token_id` says which image features the slice needs."""
     n, length = input_ids.shape
     valid = attention_mask.bool()  # [N, L]
     ids = input_ids[valid]  # [T], row-major: sample after sample
@@ -118,17 +133,63 @@ def build_packed_inputs(
         pos = torch.cat([pos, anchor.position_ids.to(pos)], dim=-1)
         lengths.append(anchor.token_ids.numel())
         keep = torch.cat([keep, torch.tensor([start + anchor.token_ids.numel() - 1], device=keep.device)])
-    kwargs: dict[str, Any] = {
+    vision = _vision_kwargs(pixel_values, image_grid_thw, anchor, image_index)
+    targets = input_ids[rows, prompt_length + cols]
+    inputs = ForwardInputs(
+        {}, rows, cols, targets, n, length - prompt_length, anchor is not None, padded=False
+    )
+    if sp is not None:
+        ids, pos, lengths = _pad_row(ids, pos, lengths, sp.size, pad_token_id)
+        if vision:
+            vision[IMAGE_ROWS_KWARG] = _image_rows(ids, sp, image_token_id)
+        ids, pos, keep, inputs.sp_counts = _sequence_slice(ids, pos, keep, rows.numel(), sp)
+        inputs.sp = sp
+    inputs.model_kwargs = {
         "input_ids": ids.unsqueeze(0),
         "position_ids": pos.unsqueeze(-2),  # [1, T] or [3, 1, T]
         "logits_to_keep": keep,
-        "vlrl_varlen": make_varlen_info(lengths, ids.device, attention_backend),
-        **_vision_kwargs(pixel_values, image_grid_thw, anchor, image_index),
+        "vlrl_varlen": make_varlen_info(lengths, ids.device, attention_backend, sp),
+        **vision,
     }
-    targets = input_ids[rows, prompt_length + cols]
-    return ForwardInputs(
-        kwargs, rows, cols, targets, n, length - prompt_length, anchor is not None, padded=False
-    )
+    return inputs
+
+
+def _pad_row(
+    ids: Tensor, pos: Tensor, lengths: list[int], multiple: int, pad_id: int
+) -> tuple[Tensor, Tensor, list[int]]:
+    """Pad the packed row to a multiple of `multiple` tokens with a sequence of its own (pad tokens
+    attend only to each other and are never scored)."""
+    pad = -ids.numel() % multiple
+    if not pad:
+        return ids, pos, lengths
+    ids = torch.cat([ids, ids.new_full((pad,), pad_id)])
+    pos = torch.cat([pos, pos.new_zeros((*pos.shape[:-1], pad))], dim=-1)
+    return ids, pos, [*lengths, pad]
+
+
+def _sequence_slice(
+    ids: Tensor, pos: Tensor, keep: Tensor, num_scored: int, sp: SequenceParallel
+) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    """This rank's 1/sp of the padded row: (ids [T/sp], pos [..., T/sp], its kept logit positions
+    (local), the scored tokens of each rank). The kept positions ascend (real tokens in packed
+    order, then the anchor), so each rank's scored tokens are a contiguous run of them."""
+    start, end = token_bounds(ids.numel(), sp)
+    owner = keep[:num_scored] // (end - start)  # [M] the rank holding each scored position
+    counts = torch.bincount(owner, minlength=sp.size).tolist()
+    mine = keep[(keep >= start) & (keep < end)] - start
+    return ids[start:end], pos[..., start:end], mine, counts
+
+
+def _image_rows(ids: Tensor, sp: SequenceParallel, image_token_id: int | None) -> tuple[int, int]:
+    """[a, b): the image-feature rows of this rank's slice of the padded row `ids`, i.e. the
+    positions of its image tokens among all image tokens (features come in token order, the
+    anchor's dummy image last, like its token)."""
+    if image_token_id is None:
+        raise ValueError("sequence parallelism with images needs the model's image_token_id")
+    start, end = token_bounds(ids.numel(), sp)
+    is_image = ids == image_token_id
+    before = int(is_image[:start].sum())
+    return before, before + int(is_image[start:end].sum())
 
 
 def build_padded_inputs(
@@ -236,14 +297,25 @@ def forward_log_probs(
     if inputs.padded:  # [N(+1), R+1, V]: column j scores response column j
         scored = logits[inputs.rows, inputs.cols]  # [M, V]
         extra = logits[inputs.num_rows :, -1] if inputs.has_anchor else logits[:0, 0]
-    else:  # [1, M(+1), V]
-        m = inputs.rows.numel()
+    else:  # [1, M(+1), V]; with sp only this rank's slice of them
+        m = inputs.rows.numel() if inputs.sp is None else inputs.sp_counts[inputs.sp.rank]
         scored, extra = logits[0, :m], logits[0, m:]
+    targets = inputs.targets
+    if inputs.sp is not None:
+        first = sum(inputs.sp_counts[: inputs.sp.rank])
+        targets = targets[first : first + m]
+        # every rank's whole slice stays in the graph, even one with nothing scored: its backward
+        # must run the same collectives (all-to-alls, FSDP) as the other ranks'
+        extra = logits[0]
     # Zero times the anchor's logits keeps it in the autograd graph (an empty micro-batch always has
     # an anchor, or an empty slice of the logits). Reduced in fp32 inside the kernel: an fp32 copy
     # would cost 4 bytes per logit (~5 GB at 8k tokens x 152k vocab).
     anchor = 0.0 * extra.sum(dtype=torch.float32)
-    log_prob, entropy_flat = score_tokens(scored, inputs.targets, sampling, with_entropy, entropy_grad)
+    log_prob, entropy_flat = score_tokens(scored, targets, sampling, with_entropy, entropy_grad)
+    if inputs.sp is not None:  # every rank of the group gets all M, in packed order
+        log_prob = gather_tokens(log_prob, inputs.sp_counts, inputs.sp)
+        if entropy_flat is not None:
+            entropy_flat = gather_tokens(entropy_flat, inputs.sp_counts, inputs.sp)
     shape = (inputs.num_rows, inputs.response_length)
     index = (inputs.rows, inputs.cols)
     log_probs = torch.zeros(shape, dtype=torch.float32, device=logits.device).index_put(index, log_prob)

@@ -12,6 +12,10 @@ and the gradient are those of the per-copy computation (tests check log-probs an
 All three Qwen-VL generations return `pooler_output` as a tuple of per-image tensors (Qwen3-VL also
 `deepstack_features`: one such tuple per deepstack layer) and concatenate them in the forward, which
 is what the indexing relies on; `share_image_features` refuses a model without `get_image_features`.
+
+Ulysses sequence parallelism (vlrl.models.ulysses) passes `vlrl_image_rows=(a, b)` as well: the
+rank holds image tokens a..b-1 of the micro-batch (in token order), so only those feature rows are
+returned (every rank of the group encodes all the images; see `_rows`).
 """
 
 from __future__ import annotations
@@ -22,10 +26,19 @@ from typing import Any
 import torch
 
 IMAGE_INDEX_KWARG = "vlrl_image_index"
+IMAGE_ROWS_KWARG = "vlrl_image_rows"
 
 
 def _select(per_image: Any, index: list[int]) -> tuple:
     return tuple(per_image[i] for i in index)
+
+
+def _rows(per_image: Any, rows: tuple[int, int]) -> tuple:
+    """The feature rows [a, b) of the concatenated per-image features, as a one-tensor tuple.
+
+    Slicing keeps the whole encoding in the autograd graph even when the slice is empty, so every
+    rank of the group runs the vision tower's backward (its FSDP reduce-scatters are collectives)."""
+    return (torch.cat(tuple(per_image), 0)[rows[0] : rows[1]],)
 
 
 def share_image_features(model: torch.nn.Module) -> None:
@@ -40,12 +53,15 @@ def share_image_features(model: torch.nn.Module) -> None:
     @functools.wraps(original)
     def get_image_features(pixel_values, image_grid_thw=None, **kwargs):
         index = kwargs.pop(IMAGE_INDEX_KWARG, None)
+        rows = kwargs.pop(IMAGE_ROWS_KWARG, None)
         output = original(pixel_values, image_grid_thw, **kwargs)
-        if index is not None:
-            output.pooler_output = _select(output.pooler_output, index)
+        for pick, arg in ((_select, index), (_rows, rows)):
+            if arg is None:
+                continue
+            output.pooler_output = pick(output.pooler_output, arg)
             deepstack = getattr(output, "deepstack_features", None)
             if deepstack is not None:
-                output.deepstack_features = [_select(layer, index) for layer in deepstack]
+                output.deepstack_features = [pick(layer, arg) for layer in deepstack]
         return output
 
     get_image_features.vlrl_shared = True  # type: ignore[attr-defined]

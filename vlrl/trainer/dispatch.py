@@ -2,8 +2,10 @@
 
 Generation: prompts are split over data-parallel groups (ranks sharing one tensor-parallel
 engine get the same prompts) and each group's result is taken from its first rank.
-Log-probs and updates: samples are split over all ranks with equal counts and balanced token
-totals; the index lists returned say where each sample went, so results are put back in order.
+Log-probs and updates: samples are split over the data-parallel groups with equal counts and
+balanced token totals, and every rank of a Ulysses group (worker.actor.ulysses_size) gets its
+group's rows; the index lists returned say where each sample went, so results are put back in
+order (a group's ranks return identical values for the same rows).
 """
 
 from __future__ import annotations
@@ -56,12 +58,15 @@ def _pad_rollout(batch: RolloutBatch, width_p: int, width_r: int, pad_id: int) -
     return batch
 
 
-def balanced_shards(batch: RolloutBatch, world_size: int) -> list[list[int]]:
-    """Per-rank row indices: equal counts, similar token totals (so no rank waits on another)."""
+def balanced_shards(batch: RolloutBatch, world_size: int, ulysses_size: int = 1) -> list[list[int]]:
+    """Per-rank row indices: equal counts, similar token totals (so no rank waits on another).
+
+    Consecutive groups of `ulysses_size` ranks get the same rows (they split them by tokens)."""
     from vlrl.workers.balance import balance_across_ranks
 
     lengths = batch.attention_mask.sum(-1).tolist()
-    return balance_across_ranks(lengths, world_size)
+    groups = balance_across_ranks(lengths, world_size // ulysses_size)
+    return [groups[rank // ulysses_size] for rank in range(world_size)]
 
 
 def gather_rows(shards: list[list[int]], values: list[torch.Tensor], n_rows: int) -> torch.Tensor:

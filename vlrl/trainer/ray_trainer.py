@@ -133,7 +133,7 @@ class RayPPOTrainer:
             n, on_policy = len(batch), self.config.on_policy_update
             if not on_policy or self.config.use_reference:
                 with timer("old_ref"):
-                    shards = balanced_shards(batch, world)
+                    shards = balanced_shards(batch, world, self.config.worker.actor.ulysses_size)
                     shard_batches = [batch.select(i) for i in shards]
                     results = self.ranks.call("compute_log_probs", shard_batches, with_old=not on_policy)
                     if not on_policy:
@@ -158,7 +158,7 @@ class RayPPOTrainer:
                 )  # fmt: skip
             # 6. actor update, then weight sync to the engines
             with timer("update"):
-                shards = balanced_shards(batch, world)
+                shards = balanced_shards(batch, world, self.config.worker.actor.ulysses_size)
                 results = self.ranks.call("update", [batch.select(i) for i in shards])
                 if on_policy:  # the update computed them (for the rollout/log_prob_diff metrics)
                     batch.old_log_probs = gather_rows(shards, [old for _, old in results], n)

@@ -9,10 +9,17 @@ Update of one step's rows on this rank (`update_policy`):
           loss = policy loss [+ kl_coef * KL loss] [- entropy_coeff * entropy], normalized by the
                  mini-batch totals, so the micro-batch losses of all ranks SUM to the mini-batch loss
           backward(loss * world_size)    # FSDP averages grads over ranks; x W turns it into the sum
+                                         # (x world / ulysses_size with sequence parallelism)
         clip the global grad norm, skip the step if it is not finite, step the LR schedule
 
 So the gradient does not depend on how rows are split into ranks and micro-batches
 (tests/actor/test_multirank.py checks it against a plain single-process full-batch gradient).
+
+Ulysses (ulysses_size = sp > 1): the sp ranks of a group hold the same rows, so the totals count
+each rank's rows once per group (sum / sp), and every rank of a group computes the group's whole
+micro-batch loss from the gathered log-probs. The gather's backward sums the group's gradients (sp
+copies of the same loss), so the factor is the number of groups, world / sp, instead of the world
+size (tests/actor/test_ulysses.py: gradients equal those of sp = 1).
 """
 
 from __future__ import annotations
@@ -226,7 +233,11 @@ class Actor(ShardedModel):
         epochs = self.cfg.ppo_epochs
         flops = epochs * training_flops(self.hf_config, lengths)
         peak = peak_flops(self.device) or float("nan")
-        tokens_per_s, mfu = self._all_reduce([epochs * sum(lengths) / seconds, flops / seconds / peak])
+        # a rank of a Ulysses group runs 1/sp of its rows' tokens; the sum over ranks counts them once
+        sp = self.sp_size
+        tokens_per_s, mfu = self._all_reduce(
+            [epochs * sum(lengths) / seconds / sp, flops / sp / seconds / peak]
+        )
         return {"perf/actor_tokens_per_s": tokens_per_s, "perf/actor_mfu": mfu / self.world_size}
 
     def forward_backward(
@@ -238,7 +249,10 @@ class Actor(ShardedModel):
         the old log-probs (the ratio is exactly 1; `mini.old_log_probs` is not read)."""
         cfg, algo, dev = self.cfg, self.config.algorithm, self.device
         computed = torch.zeros(mini.responses.shape, dtype=torch.float32)
-        num_tokens, num_seqs = self._all_reduce(list(count_tokens_and_seqs(mini.response_mask)))
+        # a Ulysses group's ranks hold the same rows: count them once
+        num_tokens, num_seqs = (
+            x / self.sp_size for x in self._all_reduce(list(count_tokens_and_seqs(mini.response_mask)))
+        )
         agg: dict[str, Any] = {
             "loss_avg_mode": cfg.loss_avg_mode,
             "num_tokens": num_tokens,
@@ -277,11 +291,13 @@ class Actor(ShardedModel):
                 loss = loss - cfg.entropy_coeff * aggregate_loss(
                     entropy_all, mask, cfg.loss_avg_mode, num_tokens, num_seqs
                 )
-            # x world size: FSDP averages the ranks' gradients, we want their sum.
-            ((loss + out.anchor) * self.world_size).backward()
+            # x groups: FSDP averages the ranks' gradients, we want the sum over the data-parallel
+            # groups (with sp = 1 the world size; see the module docstring for sp > 1)
+            ((loss + out.anchor) * self.dp_size).backward()
             tokens = int(mask.sum())
             entropy = float((entropy_all.detach() * mask).sum() / max(tokens, 1))
-            stats.add_micro(metrics, entropy, tokens, float(pg.detach()), float(kl.detach()))
+            sp = self.sp_size  # the group's ranks each add the same loss: count it once
+            stats.add_micro(metrics, entropy, tokens, float(pg.detach()) / sp, float(kl.detach()) / sp)
         return computed
 
     def optimizer_step(self, stats: _UpdateStats) -> None:

@@ -5,6 +5,10 @@ inputs, micro-batch planning and `compute_log_probs`. Every rank must run the sa
 forward passes (each one all-gathers the layers' shards), so the number of micro-batches is agreed
 with an all-reduce(max) and a rank with fewer samples runs empty micro-batches (an anchor sequence
 only; see vlrl.workers.vision for the matching trick that keeps the vision tower in step).
+
+With `worker.actor.ulysses_size = sp > 1` (vlrl.models.ulysses) the ranks form groups of sp that
+receive the same rows; each rank of a group runs 1/sp of every packed micro-batch's tokens. The
+model stays sharded over all ranks; the data is split over `dp_size = world / sp` groups.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from vlrl.config import FSDPConfig, ModelConfig, PPOConfig
 from vlrl.models.loading import is_vision_model, load_model
 from vlrl.models.packing import LogProbOutput, build_packed_inputs, build_padded_inputs, forward_log_probs
 from vlrl.models.sampling import SamplingDistribution, banned_token_ids
+from vlrl.models.ulysses import build_sequence_parallel, head_errors
 from vlrl.protocol import RolloutBatch
 from vlrl.workers.balance import count_micro_batches, micro_batches_by_tokens
 from vlrl.workers.fsdp import (
@@ -64,8 +69,11 @@ class ShardedModel:
         self.micro_batch_size = micro_batch_size
         self.dynamic_batching = config.worker.actor.dynamic_batching
         self.max_token_len = config.worker.actor.max_token_len_per_device or 0
+        self.sp_size = config.worker.actor.ulysses_size
+        self.dp_size = self.world_size // self.sp_size  # groups that see different rows
         self.module = self._build(model_path, model_cfg, fsdp_cfg, trainable)
         self.hf_config: Any = self.module.config  # a transformers PretrainedConfig
+        self.sp = self._sequence_parallel()
         self.is_vlm = is_vision_model(self.hf_config)
         self.mrope = self.is_vlm
         self.processor = processor
@@ -82,6 +90,7 @@ class ShardedModel:
         pad_id = getattr(self.hf_config, "pad_token_id", None)
         if pad_id is None:
             pad_id = getattr(getattr(self.hf_config, "text_config", None), "pad_token_id", None) or 0
+        self.pad_token_id = int(pad_id)
         self.text_anchor = text_anchor(pad_id, self.mrope, self.device)
         # the engines' ban list (same function, same tokenizer and config): log-probs and entropy
         # are taken on the distribution that was sampled from (vlrl.models.sampling)
@@ -101,6 +110,23 @@ class ShardedModel:
         return load_processor(tokenizer_path)[0]
 
     # ------------------------------------------------------------------------------ building
+    def _sequence_parallel(self):
+        """This rank's Ulysses group (None for ulysses_size 1); refuses what cannot be split."""
+        if self.sp_size == 1:
+            return None
+        errors = head_errors(self.hf_config, self.sp_size)
+        if self.world_size % self.sp_size:
+            errors.append(
+                f"worker.actor.ulysses_size={self.sp_size} must divide the world size {self.world_size}"
+            )
+        if not self.padding_free:
+            errors.append(
+                "worker.actor.ulysses_size > 1 splits packed rows: set padding_free=true (actor and ref)"
+            )
+        if errors:
+            raise ValueError("sequence parallelism cannot run: " + "; ".join(errors))
+        return build_sequence_parallel(self.sp_size)
+
     def _build(
         self, path: str, model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, trainable: bool
     ) -> torch.nn.Module:
@@ -152,7 +178,8 @@ class ShardedModel:
             lengths = (
                 batch.attention_mask.sum(-1).tolist() if self.padding_free else [batch.input_ids.shape[1]] * n
             )
-            count = count_micro_batches(lengths, self.max_token_len)
+            # the budget is per device: a group of sp ranks holds sp times as many tokens
+            count = count_micro_batches(lengths, self.max_token_len * self.sp_size)
             count = int(self._all_reduce([count], dist.ReduceOp.MAX)[0])
             return micro_batches_by_tokens(lengths, count)
         parts = [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
@@ -188,7 +215,14 @@ class ShardedModel:
             "anchor": anchor,
         }
         if self.padding_free:
-            inputs = build_packed_inputs(*args, **kwargs, attention_backend=self.attention_backend)
+            inputs = build_packed_inputs(
+                *args,
+                **kwargs,
+                attention_backend=self.attention_backend,
+                sp=self.sp,
+                pad_token_id=self.pad_token_id,
+                image_token_id=getattr(self.hf_config, "image_token_id", None),
+            )
         else:
             inputs = build_padded_inputs(*args, **kwargs)
         return forward_log_probs(self.module, inputs, self.sampling(temperature), with_entropy, entropy_grad)

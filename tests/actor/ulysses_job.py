@@ -1,0 +1,195 @@
+"""What each of the 2 spawned gloo ranks runs for tests/actor/test_ulysses.py.
+
+The same batch goes through an actor with ulysses_size=1 (the 2 ranks split the rows) and one
+with ulysses_size=2 (both ranks get all rows and split every packed micro-batch by tokens).
+Log-probs, every parameter's gradient, an update's metrics and weights, and the reference's
+log-probs must agree. Rank 0 stores the differences (plain numbers) for the test.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from actor_helpers import init_gloo, make_batch, make_config
+from actor_multirank_job import full_params, max_diff
+
+import vlrl.workers.actor as actor_module
+from vlrl.models.attention import make_varlen_info, varlen_attention_forward
+from vlrl.models.packing import build_packed_inputs
+from vlrl.models.processor import load_processor
+from vlrl.models.ulysses import build_sequence_parallel, token_bounds
+from vlrl.protocol import RolloutBatch
+from vlrl.workers.actor import Actor, gathered_grads
+from vlrl.workers.reference import Reference
+from vlrl.workers.vision import VisionCache
+
+TEMPERATURE = 0.9
+SPLIT = ([0, 3, 4, 7], [1, 2, 5, 6])  # rows per rank with ulysses_size=1
+# (loss_avg_mode, policy_loss, dynamic batching): gspo's ratio is per sequence, and a sequence's
+# tokens lie on both ranks, so it needs the gathered log-probs
+VARIANTS = (("token", "ppo", False), ("seq-mean-token-sum", "ppo", False), ("seq", "gspo", False),
+            ("token", "ppo", True))  # fmt: skip
+
+
+def training_batch(model_dir: str) -> RolloutBatch:
+    """8 samples with 0, 1 or 2 images, old/ref log-probs and advantages. In micro-batches of 2
+    rows, split over 2 ranks, two images straddle the split and two micro-batches have their images
+    on one rank only (`image_splits`; the test checks it)."""
+    specs = [(0, 2), (1, 6), (2, 3), (0, 14), (1, 11), (0, 2), (0, 5), (2, 7)]
+    batch = make_batch(model_dir, specs, group_size=1, seed=1)
+    gen = torch.Generator().manual_seed(7)
+    n, r = batch.responses.shape
+    batch.old_log_probs = -6.5 + 0.4 * torch.randn(n, r, generator=gen)
+    batch.ref_log_probs = -6.5 + 0.4 * torch.randn(n, r, generator=gen)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, -1.0, 1.0, 2.0, -2.0])
+    batch.advantages = advantages[:, None] * batch.response_mask
+    return batch
+
+
+def gather_rows(rank_rows: list[int], values: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows of every rank put back in batch order (ulysses_size=1: the ranks hold different rows)."""
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (rank_rows, values))
+    out = torch.zeros(n, *values.shape[1:])
+    for rows, value in parts:
+        out[rows] = value
+    return out
+
+
+def ulysses_config(model_dir: str, sp: int, checkpointing: bool = False):
+    return make_config(
+        model_dir, 2, worker__rollout__temperature=TEMPERATURE, algorithm__use_kl_loss=True,
+        algorithm__kl_penalty="low_var_kl", algorithm__kl_coef=0.1, worker__actor__ulysses_size=sp,
+        worker__actor__max_token_len_per_device=60, worker__actor__entropy_coeff=0.01,
+        worker__actor__model__enable_gradient_checkpointing=checkpointing,
+    )  # fmt: skip
+
+
+def run_actor(model_dir: str, processor, batch: RolloutBatch, sp: int, rank: int) -> dict[str, Any]:
+    """Log-probs, gradients per variant, one update's metrics and weights for ulysses_size=sp."""
+    config = ulysses_config(model_dir, sp)
+    actor = Actor(config, model_dir, processor, "cpu")
+    rows = SPLIT[rank] if sp == 1 else list(range(len(batch)))
+    mine = batch.select(rows)
+    out: dict[str, Any] = {
+        "log_probs": gather_rows(rows, actor.compute_log_probs(mine, TEMPERATURE), len(batch))
+    }
+    for mode, loss, dynamic in VARIANTS:
+        actor.cfg.loss_avg_mode, actor.cfg.policy_loss, actor.dynamic_batching = mode, loss, dynamic
+        actor.module.train()
+        actor.forward_backward(mine, actor_module._UpdateStats(), image_anchor=True)
+        out[f"grads/{mode}/{loss}/{dynamic}"] = gathered_grads(actor.module)
+        actor.optimizer.zero_grad(set_to_none=True)
+    actor.cfg.loss_avg_mode, actor.cfg.policy_loss, actor.dynamic_batching = "token", "ppo", False
+    out["metrics"] = actor.update_policy(mine)
+    out["weights"] = full_params(actor.module)
+    reference = Reference(
+        config, model_dir, processor, "cpu", vision_cache=VisionCache(processor.image_processor)
+    )
+    out["ref_log_probs"] = gather_rows(rows, reference.compute_log_probs(mine, TEMPERATURE), len(batch))
+    return out
+
+
+def image_splits(model_dir: str, batch: RolloutBatch, rows_per_micro_batch: int) -> dict[str, int]:
+    """Over the update's micro-batches (consecutive rows): how many have an image whose tokens lie
+    on both ranks, and how many have images on one rank's slice only."""
+    tokenizer, _ = load_processor(model_dir)
+    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    counts = {"straddling": 0, "one_sided": 0}
+    for start in range(0, len(batch), rows_per_micro_batch):
+        mb = batch.select(list(range(start, start + rows_per_micro_batch)))
+        ids = build_packed_inputs(mb.input_ids, mb.attention_mask, mb.position_ids, mb.prompt_length)
+        ids = ids.model_kwargs["input_ids"][0]
+        half = (ids.numel() + 1) // 2
+        counts["straddling"] += int(ids[half - 1] == image_id and ids[half] == image_id)
+        left, right = int((ids[:half] == image_id).sum()), int((ids[half:] == image_id).sum())
+        counts["one_sided"] += int((left == 0) != (right == 0))
+    return counts
+
+
+def run_checkpointed(model_dir: str, processor, batch: RolloutBatch) -> dict[str, Any]:
+    """ulysses_size=2 with gradient checkpointing (the backward re-runs the forward's all-to-alls):
+    the token-mean gradient, and an empty micro-batch (only the anchor, one token and one pad token
+    over two ranks) with and without the dummy image, which must run and add a zero gradient."""
+    actor = Actor(ulysses_config(model_dir, 2, checkpointing=True), model_dir, processor, "cpu")
+    actor.module.train()
+    actor.forward_backward(batch, actor_module._UpdateStats(), image_anchor=True)
+    out: dict[str, Any] = {"grads": gathered_grads(actor.module)}
+    actor.optimizer.zero_grad(set_to_none=True)
+    empty = batch.select([])
+    for image_anchor in (False, True):
+        result = actor.forward_micro_batch(empty, TEMPERATURE, image_anchor, with_entropy=True)
+        (result.log_probs.sum() + result.anchor).backward()
+    out["empty_grad_max"] = max(float(g.abs().max()) for g in gathered_grads(actor.module).values())
+    out["empty_grad_count"] = len(gathered_grads(actor.module))
+    out["num_params"] = len(list(actor.module.parameters()))
+    return out
+
+
+def check_attention_kv_repeat(rank: int, results: dict) -> None:
+    """4 query heads, 1 kv head over 2 ranks (kv repeated): output and q/k/v gradients equal the
+    unsplit attention's, on 3 packed sequences of 5 + 4 + 3 tokens."""
+    sp = build_sequence_parallel(2)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 12, 8, generator=gen) for h in (4, 1, 1))
+    weight = torch.randn(1, 12, 4, 8, generator=gen)
+    lengths = [5, 4, 3]
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out_full, _ = varlen_attention_forward(
+        None, *full, None, scaling=0.3, vlrl_varlen=make_varlen_info(lengths, "cpu")
+    )
+    (out_full * weight).sum().backward()
+    start, end = token_bounds(12, sp)
+    part = [t[:, :, start:end].clone().requires_grad_(True) for t in (q, k, v)]
+    info = make_varlen_info(lengths, "cpu", sp=sp)
+    out_part, _ = varlen_attention_forward(None, *part, None, scaling=0.3, vlrl_varlen=info)
+    (out_part * weight[:, start:end]).sum().backward()
+    errs = [float((out_part - out_full[:, start:end]).detach().abs().max())]
+    errs += [float((p.grad - f.grad[:, :, start:end]).abs().max()) for p, f in zip(part[:1], full[:1])]
+    # k/v gradients: each rank's slice gets the gradient summed over every query that read it
+    errs += [float((p.grad - f.grad[:, :, start:end]).abs().max()) for p, f in zip(part[1:], full[1:])]
+    results[f"attention_kv_repeat_err/rank{rank}"] = max(errs)
+
+
+def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    init_gloo(rank, world, port)
+    results: dict[str, Any] = {}
+    try:
+        check_attention_kv_repeat(rank, results)
+        _, processor = load_processor(model_dir)
+        batch = training_batch(model_dir)
+        results["image_splits"] = image_splits(model_dir, batch, 2)
+        one = run_actor(model_dir, processor, batch, 1, rank)
+        two = run_actor(model_dir, processor, batch, 2, rank)
+        checkpointed = run_checkpointed(model_dir, processor, batch)
+        ref = one["grads/token/ppo/False"]
+        scale = max(float(g.abs().max()) for g in ref.values())
+        results["checkpointed_grad_err"] = max_diff(checkpointed["grads"], ref, ref.keys()) / scale
+        results["empty_grad_max"] = checkpointed["empty_grad_max"]
+        results["empty_grad_count"] = checkpointed["empty_grad_count"]
+        results["num_params"] = checkpointed["num_params"]
+        mask = batch.response_mask.bool()
+        results["log_prob_err"] = float((one["log_probs"] - two["log_probs"])[mask].abs().max())
+        results["ref_log_prob_err"] = float((one["ref_log_probs"] - two["ref_log_probs"])[mask].abs().max())
+        results["ref_vs_actor_err"] = float((two["ref_log_probs"] - one["log_probs"])[mask].abs().max())
+        for key in one:
+            if key.startswith("grads/"):
+                ref = one[key]
+                scale = max(float(g.abs().max()) for g in ref.values())
+                results[f"grad_keys_match/{key}"] = set(ref) == set(two[key])
+                results[f"grad_err/{key}"] = max_diff(two[key], ref, ref.keys()) / scale
+        results["metrics"] = (one["metrics"], two["metrics"])
+        results["weights_err"] = max_diff(two["weights"], one["weights"])
+        results["weights_moved"] = max_diff(two["weights"], full_params_initial(model_dir))
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def full_params_initial(model_dir: str) -> dict[str, torch.Tensor]:
+    from vlrl.models.loading import load_model
+
+    return {n: p.detach() for n, p in load_model(model_dir, padding_free=False).named_parameters()}
