@@ -47,6 +47,12 @@ def test_defaults_yaml_then_overrides(tmp_path: Path, base: list[str]) -> None:
     assert config.samples_per_minibatch_per_rank == 8
 
 
+def test_ulysses_groups_share_rows(base: list[str]) -> None:
+    config = load_config([*base, "worker.actor.ulysses_size=2"])
+    # 2 ranks in one sequence-parallel group: one data-parallel group takes the whole mini-batch
+    assert config.dp_size == 1 and config.samples_per_minibatch_per_rank == 16
+
+
 def test_override_value_types(base: list[str]) -> None:
     config = load_config(
         [
@@ -125,6 +131,13 @@ def test_bad_keys_and_types(base: list[str], override: str, message: str) -> Non
          "algorithm.filter_low=0.9 must be < algorithm.filter_high=0.1"),
         (["data.format_prompt=/no/template.jinja"], "data.format_prompt: file '/no/template.jinja' does not exist"),
         (["worker.rollout.temperature=0"], r"worker.rollout.temperature=0.0 must be > 0: training needs sampled"),
+        (["worker.actor.ulysses_size=3"], r"worker.actor.ulysses_size=3 must divide the world size 2"),
+        (["worker.actor.ulysses_size=0"], r"worker.actor.ulysses_size=0 must be >= 1"),
+        (["worker.actor.ulysses_size=2", "worker.ref.padding_free=false"],
+         r"worker.actor.ulysses_size=2 splits packed rows: set worker.actor.padding_free=true"),
+        (["trainer.n_gpus_per_node=4", "worker.actor.ulysses_size=2", "worker.actor.global_batch_size=1",
+          "data.rollout_batch_size=1", "worker.rollout.n=3"],
+         r"worker.rollout.n=3 must be divisible by the 2 data-parallel groups \(world size 4 / worker.actor.ulysses_size=2\)"),
         (["worker.reward.memory_limit_mb=10"], r"worker.reward.memory_limit_mb=10 must be >= 64 \(or null\)"),
         (["worker.reward.memory_limit_mb=500", "worker.reward.num_workers=0"],
          "worker.reward.memory_limit_mb caps worker processes: set worker.reward.num_workers >= 1"),

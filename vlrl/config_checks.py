@@ -57,12 +57,14 @@ def _check_batch_sizes(config: PPOConfig) -> list[str]:
         )
     if _check_sequence_parallel(config):
         return errors  # the data-parallel group count is undefined; reported there
-    dp = config.dp_size
+    dp, sp = config.dp_size, actor.ulysses_size
     if (actor.global_batch_size * n) % dp:
+        groups = f"the world size {world} (trainer.nnodes x trainer.n_gpus_per_node)"
+        if sp > 1:
+            groups = f"the {dp} data-parallel groups (world size {world} / worker.actor.ulysses_size={sp})"
         errors.append(
             f"worker.actor.global_batch_size={actor.global_batch_size} x worker.rollout.n={n} must be divisible "
-            f"by the {dp} data-parallel groups (world size {world} = trainer.nnodes x trainer.n_gpus_per_node, "
-            f"divided by worker.actor.ulysses_size={actor.ulysses_size})"
+            f"by {groups}"
         )
     elif (
         not actor.dynamic_batching

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vlrl.protocol import PromptBatch, RolloutBatch
-from vlrl.trainer.dispatch import gather_rows, merge_rollouts, split_prompts
+from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, split_prompts
 
 PAD = 0
 
@@ -72,3 +72,16 @@ def test_unfilled_stage_outputs_fail_naming_the_field() -> None:
     batch.reward_parts = [{"overall": 1.0}]
     assert batch.tensor("advantages").shape == (1, 2)
     assert batch.select([0, 0]).scored_parts() == [{"overall": 1.0}, {"overall": 1.0}]
+
+
+def test_ulysses_groups_get_identical_balanced_shards() -> None:
+    lengths = [9, 1, 8, 2, 7, 3, 6, 4]
+    parts = [_rollout([5] * n, [7], eos_at=1, gid=i) for i, n in enumerate(lengths)]
+    batch = merge_rollouts(parts, tp_size=1, pad_token_id=PAD)
+    shards = balanced_shards(batch, world_size=4, ulysses_size=2)
+    assert shards[0] == shards[1] and shards[2] == shards[3]  # a group's ranks split the same rows by tokens
+    assert sorted(shards[0] + shards[2]) == list(range(8))  # the two groups split the batch
+    tokens = [sum(lengths[i] + 1 for i in s) for s in (shards[0], shards[2])]
+    assert tokens[0] == tokens[1]
+    values = [torch.tensor(s, dtype=torch.float32)[:, None] for s in shards]
+    assert gather_rows(shards, values, 8)[:, 0].tolist() == list(range(8))
