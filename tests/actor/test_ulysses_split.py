@@ -63,3 +63,13 @@ def test_head_checks():
         "then they are repeated)"
     ]
     assert "12 attention heads are not divisible by worker.actor.ulysses_size=8" in head_errors(config, 8)[0]
+
+
+def test_text_model_positions_split_too():
+    ids = torch.tensor([[0, 5, 6, 7, 8], [3, 4, 6, 2, 0]])
+    mask = (ids != 0).long()
+    pos = torch.tensor([[0, 0, 1, 2, 3], [0, 1, 2, 3, 0]])  # 1-D positions (a text-only model)
+    parts = [build_packed_inputs(ids, mask, pos, 2, sp=SequenceParallel(None, 3, r)) for r in range(3)]
+    got = torch.cat([p.model_kwargs["position_ids"] for p in parts], dim=-1)
+    assert got.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0]]  # 8 real tokens, one pad token
+    assert all(IMAGE_ROWS_KWARG not in p.model_kwargs for p in parts)
