@@ -294,15 +294,16 @@ def forward_log_probs(
     The entropy carries gradients only with `entropy_grad` (an entropy bonus in the loss).
     """
     logits = model(**inputs.model_kwargs, use_cache=False).logits
+    sp, counts = inputs.sp, inputs.sp_counts or []
     if inputs.padded:  # [N(+1), R+1, V]: column j scores response column j
         scored = logits[inputs.rows, inputs.cols]  # [M, V]
         extra = logits[inputs.num_rows :, -1] if inputs.has_anchor else logits[:0, 0]
     else:  # [1, M(+1), V]; with sp only this rank's slice of them
-        m = inputs.rows.numel() if inputs.sp is None else inputs.sp_counts[inputs.sp.rank]
+        m = inputs.rows.numel() if sp is None else counts[sp.rank]
         scored, extra = logits[0, :m], logits[0, m:]
     targets = inputs.targets
-    if inputs.sp is not None:
-        first = sum(inputs.sp_counts[: inputs.sp.rank])
+    if sp is not None:
+        first = sum(counts[: sp.rank])
         targets = targets[first : first + m]
         # every rank's whole slice stays in the graph, even one with nothing scored: its backward
         # must run the same collectives (all-to-alls, FSDP) as the other ranks'
@@ -312,10 +313,10 @@ def forward_log_probs(
     # would cost 4 bytes per logit (~5 GB at 8k tokens x 152k vocab).
     anchor = 0.0 * extra.sum(dtype=torch.float32)
     log_prob, entropy_flat = score_tokens(scored, targets, sampling, with_entropy, entropy_grad)
-    if inputs.sp is not None:  # every rank of the group gets all M, in packed order
-        log_prob = gather_tokens(log_prob, inputs.sp_counts, inputs.sp)
+    if sp is not None:  # every rank of the group gets all M, in packed order
+        log_prob = gather_tokens(log_prob, counts, sp)
         if entropy_flat is not None:
-            entropy_flat = gather_tokens(entropy_flat, inputs.sp_counts, inputs.sp)
+            entropy_flat = gather_tokens(entropy_flat, counts, sp)
     shape = (inputs.num_rows, inputs.response_length)
     index = (inputs.rows, inputs.cols)
     log_probs = torch.zeros(shape, dtype=torch.float32, device=logits.device).index_put(index, log_prob)
