@@ -37,13 +37,13 @@ def test_every_bad_key_of_file_and_overrides_in_one_error(tmp_path: Path, base: 
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text(
         "data:\n  promt_key: q\nworker:\n  actor:\n    fsdp:\n      enable_full_shrd: true\n"
-        "  rollout:\n    n: many\n"
+        "  rollout:\n    top_k: many\n"
     )
     with pytest.raises(ConfigError) as info:
         load_config([f"config={yaml_file}", *base, "worker.rollout.temprature=0.5", "trainer.nope=1"])
     text = str(info.value)
     assert text.startswith("5 problem(s)"), text
-    assert "worker.rollout.n must be of type int, got 'many'" in text
+    assert "worker.rollout.top_k must be of type int, got 'many'" in text
     for expected in (
         "'data.promt_key'; did you mean data.prompt_key?",
         "'worker.actor.fsdp.enable_full_shrd'; did you mean worker.actor.fsdp.enable_full_shard?",
