@@ -70,7 +70,9 @@ class DataConfig(_Section):
     rollout_batch_size: int = 512
     """Prompts per training step (each sampled `worker.rollout.n` times)."""
     mini_rollout_batch_size: int | None = None
-    """Generate the step's prompts in chunks of this many (bounds rollout memory); None: all at once."""
+    """Prompts drawn per generation round; a step draws rounds until it holds `rollout_batch_size`
+    groups (after online filtering, when on; each round counts toward `trainer.max_try_make_batch`)
+    and cuts off the excess. None: one round of `rollout_batch_size` prompts."""
     val_batch_size: int = -1
     """Prompts per validation generation call; -1: the whole validation set at once."""
     format_prompt: str | None = None

@@ -73,10 +73,13 @@ def _check_batch_sizes(config: PPOConfig) -> list[str]:
             f"(global_batch_size x n / world size), which must be divisible by "
             f"worker.actor.micro_batch_size_per_device_for_update={actor.micro_batch_size_per_device_for_update}"
         )
-    mini = data.mini_rollout_batch_size
-    if mini is not None and (mini < 1 or data.rollout_batch_size % mini):
+    mini, tries = data.mini_rollout_batch_size, config.trainer.max_try_make_batch
+    if mini is not None and mini < 1:
+        errors.append(f"data.mini_rollout_batch_size={mini} must be >= 1 (or null)")
+    elif mini is not None and tries > 0 and -(-data.rollout_batch_size // mini) > tries:
         errors.append(
-            f"data.rollout_batch_size={data.rollout_batch_size} must be divisible by data.mini_rollout_batch_size={mini}"
+            f"data.rollout_batch_size={data.rollout_batch_size} takes {-(-data.rollout_batch_size // mini)} rounds "
+            f"of data.mini_rollout_batch_size={mini} prompts, more than trainer.max_try_make_batch={tries}"
         )
     return errors
 
