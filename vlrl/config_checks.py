@@ -235,7 +235,7 @@ def _check_reward(config: PPOConfig) -> list[str]:
         errors.append(f"worker.reward.on_failure={reward.on_failure!r} must be raise or zero")
     if not reward.reward_function:
         errors.append(
-            "worker.reward.reward_function is required (e.g. ./reward_functions/math.py:compute_score)"
+            "worker.reward.reward_function is required (e.g. ./reward_functions/boxed_math.py:compute_score)"
         )
     else:
         path = (
