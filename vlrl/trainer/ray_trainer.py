@@ -65,6 +65,7 @@ class RayPPOTrainer:
                                self.run_dir, config.to_dict())  # fmt: skip
         self.global_step = 0
         self.total_steps = self._total_steps()
+        self.checkpoints.check_no_collisions(self._save_steps())
         self.history: list[dict[str, float]] = []  # per-step metrics, for the summary and the plot
         self.drift_steps = 0  # steps whose engine/actor log-prob gap exceeded log_prob_diff_warn
         warning = truncation_warning(config.worker.rollout.top_p, config.worker.rollout.top_k)
@@ -92,6 +93,12 @@ class RayPPOTrainer:
         if self.config.trainer.max_steps is not None:
             steps = min(steps, self.config.trainer.max_steps)
         return steps
+
+    def _save_steps(self) -> list[int]:
+        """Steps this run saves a checkpoint at: every `save_freq`, and the last."""
+        freq = self.config.trainer.save_freq
+        steps = set(range(freq, self.total_steps + 1, freq)) if freq > 0 else set()
+        return sorted(steps | {self.total_steps})
 
     def _optimizer_steps(self) -> int:
         """Actor optimizer steps of the whole run: steps x mini-batches per step x PPO epochs."""
