@@ -221,3 +221,23 @@ def test_dynamic_batching_budget_scales_with_micro_batch_size() -> None:
     assert ShardedModel.token_budget(fake, batch, 4) == 1200  # EasyR1: micro-batch size x width
     fake.max_token_len = 500
     assert ShardedModel.token_budget(fake, batch, 4) == 500
+
+
+@pytest.mark.slow
+def test_torch_compile_scores_like_eager() -> None:
+    """`worker.actor.use_torch_compile`: the compiled log-prob/entropy function gives the eager
+    values and gradients (compiling takes a minute or two on CPU)."""
+    from vlrl.models.packing import score_tokens
+    from vlrl.models.sampling import SamplingDistribution
+
+    torch.manual_seed(0)
+    logits = torch.randn(37, 50, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    sampling = SamplingDistribution(0.7, (3, 5))
+    eager = score_tokens(logits, targets, sampling, True, True, compiled=False)
+    compiled = score_tokens(logits, targets, sampling, True, True, compiled=True)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    (grad_eager,) = torch.autograd.grad(eager[0].sum() + eager[1].sum(), logits)
+    (grad_compiled,) = torch.autograd.grad(compiled[0].sum() + compiled[1].sum(), logits)
+    torch.testing.assert_close(grad_eager, grad_compiled, atol=1e-5, rtol=1e-5)
