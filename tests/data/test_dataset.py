@@ -196,3 +196,17 @@ def test_text_model(tokenizer_processor, make_config, tmp_path):
     batch = collate_prompts([dataset[0], dataset[1]], dataset.pad_token_id)
     assert batch.position_ids.shape == batch.input_ids.shape and batch.position_ids.dim() == 2
     assert batch.raw_prompt_ids[0] == dataset[0].input_ids.tolist() and batch.images == [[], []]
+
+
+def test_length_check_threads_keep_the_same_rows(tokenizer_processor, make_config, tmp_path):
+    """`data.filter_overlong_prompts_workers` tokenizes in threads; the kept rows do not change."""
+    tokenizer, _ = tokenizer_processor("qwen2_5_vl")
+    rows = [{"problem": "word " * (1 + i % 40), "answer": str(i)} for i in range(300)]
+    path = write_jsonl(tmp_path / "many.jsonl", rows)
+    kept = {}
+    for workers in (1, 4):
+        dataset = RLDataset(
+            path, make_config(max_prompt_length=30, filter_overlong_prompts_workers=workers), tokenizer, None
+        )
+        kept[workers] = [dataset.location(i)[1] for i in range(len(dataset))]
+    assert kept[1] == kept[4] and 0 < len(kept[1]) < 300
