@@ -417,7 +417,7 @@ class TrainerConfig(_Section):
     total_epochs: int = 15
     """Passes over the training data."""
     max_steps: int | None = None
-    """Stop after this many steps (overrides `total_epochs` when smaller)."""
+    """Train this many steps; `total_epochs` is then ignored (the data repeats as needed)."""
     project_name: str = "vlrl"
     """Project name (wandb project, default output folder)."""
     experiment_name: str = "demo"

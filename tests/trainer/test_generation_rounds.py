@@ -113,3 +113,17 @@ def test_too_many_rounds_is_an_error() -> None:
     trainer = _trainer(config, solved=set(range(1000)))
     with pytest.raises(RuntimeError, match="kept 0 of 4 groups after 3 generation rounds"):
         trainer._generate_scored_batch(PhaseTimer())
+
+
+@pytest.mark.parametrize(
+    "mini, max_steps, expected",
+    [(None, None, 12), (2, None, 12), (None, 50, 50), (None, 2, 2)],
+)
+def test_total_steps_as_easyr1_counts_them(mini: int | None, max_steps: int | None, expected: int) -> None:
+    """32 prompts, 8 per step, 3 epochs; max_steps wins even past the epochs (the data repeats)."""
+    config = _config(rollout=8, mini=mini, filtering=False)
+    config.trainer.max_steps, config.trainer.total_epochs = max_steps, 3
+    trainer = RayPPOTrainer.__new__(RayPPOTrainer)
+    trainer.config = config
+    trainer.data = SimpleNamespace(train_loader=[None] * (32 // (mini or 8)))
+    assert trainer._total_steps() == expected

@@ -80,19 +80,14 @@ class RayPPOTrainer:
         self.ranks.call_all("setup", self.data.max_images_per_prompt, self._optimizer_steps())
 
     def _total_steps(self) -> int:
-        """Batches of `rollout_batch_size` prompts per epoch x epochs (the loader's batches are
-        `mini_rollout_batch_size` prompts when that is set), capped by `trainer.max_steps`."""
-        data = self.config.data
+        """`trainer.max_steps` when set (epochs then repeat as needed, as in EasyR1), else batches
+        of `rollout_batch_size` prompts per epoch x `total_epochs` (the loader's batches are
+        `mini_rollout_batch_size` prompts when that is set)."""
+        data, trainer = self.config.data, self.config.trainer
+        if trainer.max_steps is not None:
+            return trainer.max_steps
         per_batch = data.mini_rollout_batch_size or data.rollout_batch_size
-        steps = (
-            len(self.data.train_loader)
-            * per_batch
-            // data.rollout_batch_size
-            * self.config.trainer.total_epochs
-        )
-        if self.config.trainer.max_steps is not None:
-            steps = min(steps, self.config.trainer.max_steps)
-        return steps
+        return len(self.data.train_loader) * per_batch // data.rollout_batch_size * trainer.total_epochs
 
     def _save_steps(self) -> list[int]:
         """Steps this run saves a checkpoint at: every `save_freq`, and the last."""
