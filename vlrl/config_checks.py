@@ -130,8 +130,6 @@ def _check_not_supported_yet(config: PPOConfig) -> list[str]:
             value = getattr(fsdp, name)
             if value is not None and value not in DTYPE_NAMES:
                 errors.append(f"{section}.{name}={value!r} is unknown; choose one of {list(DTYPE_NAMES)}")
-    if config.algorithm.adv_estimator != "gae" and worker.critic.strategy != "fsdp":
-        errors.append(f"worker.critic.strategy={worker.critic.strategy!r}: only fsdp is supported")
     if config.data.filter_overlong_prompts_workers < 1:
         errors.append(
             f"data.filter_overlong_prompts_workers={config.data.filter_overlong_prompts_workers} must be >= 1"
