@@ -59,3 +59,15 @@ def test_easyr1_r1v_reward_runs_as_is(tmp_path: Path) -> None:
         assert runner.reward_type == "sequential"
         result = runner.score(inputs_for(responses, ["3", "3", "3"]))
     assert result.overall == pytest.approx([1.0, 0.5, 0.0])
+
+
+def test_easyr1_dapo_reward_runs_with_its_command_kwargs(tmp_path: Path) -> None:
+    """With the kwargs of EasyR1's qwen3_14b_dapo17k_dapo.sh; its `accuracy_normalized` part is the
+    part that command filters groups on (algorithm.filter_key)."""
+    spec = _easyr1_file("dapo.py", tmp_path) + ":compute_score"
+    kwargs = {"max_response_length": 20480, "overlong_buffer_length": 4096, "overlong_penalty_factor": 1.0}
+    config = make_config(spec, num_workers=1, timeout=30.0, reward_function_kwargs=kwargs)
+    with RewardRunner(config) as runner:
+        result = runner.score(inputs_for(["so\nAnswer: 42", "Answer: 41"], ["42", "42"]))
+    assert [s["accuracy_normalized"] for s in result.scores] == [1.0, 0.0]
+    assert result.overall == pytest.approx([1.0, -1.0])

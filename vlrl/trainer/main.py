@@ -1,7 +1,7 @@
 """Command line: `python -m vlrl.trainer.main config=FILE.yaml key.sub=value ...`
 
 --help                 every config key with its default and docstring
-print_config=true      print the resolved config (after the file and overrides) and exit
+print_config=true      print the resolved config (after the file and overrides) and exit (true, True, 1)
 """
 
 from __future__ import annotations
