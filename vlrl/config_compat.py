@@ -59,7 +59,7 @@ DELIBERATE_DEFAULTS: dict[str, tuple[Any, str]] = {
     ),
     "worker.actor.use_torch_compile": (
         True,
-        "compiling costs tens of seconds at start-up and needs a C++ compiler on CPU; the compiled "
+        "compiling costs a minute or more at start-up and needs a C++ compiler on CPU; the compiled "
         "function (per-token log-probs) is a small share of a step",
     ),
 }
