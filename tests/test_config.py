@@ -155,7 +155,7 @@ def test_every_field_has_a_docstring() -> None:
 
     for cls in (cfg.DataConfig, cfg.AlgorithmConfig, cfg.ModelConfig, cfg.OptimConfig, cfg.FSDPConfig,
                 cfg.OffloadConfig, cfg.ActorConfig, cfg.RefConfig, cfg.RolloutConfig, cfg.RewardConfig,
-                cfg.TrainerConfig):  # fmt: skip
+                cfg.TrainerConfig, cfg.CriticConfig):  # fmt: skip
         docs = field_docs(cls)
         for f in fields(cls):
             if not is_dataclass(f.type) and f.name not in ("model", "optim", "fsdp", "offload"):
