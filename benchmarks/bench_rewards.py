@@ -1,4 +1,4 @@
-"""Throughput of the math reward (reward_functions/math.py) through RewardRunner, by worker count.
+"""Throughput of the math reward (reward_functions/boxed_math.py) through RewardRunner, by worker count.
 
     .venv/bin/python benchmarks/bench_rewards.py [--n 2000] [--workers 1,2] [--group 8]
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from vlrl.config import RewardConfig
 from vlrl.rewards import RewardInput, RewardRunner, build_reward_inputs
 
-SPEC = str(Path(__file__).resolve().parents[1] / "reward_functions" / "math.py") + ":compute_score"
+SPEC = str(Path(__file__).resolve().parents[1] / "reward_functions" / "boxed_math.py") + ":compute_score"
 FILLER = "Let us compute this carefully. We expand the expression and simplify each term in turn. "
 
 

@@ -125,7 +125,7 @@ def test_bad_keys_and_types(base: list[str], override: str, message: str) -> Non
         (["worker.actor.clip_ratio_dual=1.0"], "worker.actor.clip_ratio_dual=1.0 must be > 1"),
         (["worker.reward.reward_function=/no/such/file.py:fn"], "worker.reward.reward_function: file '/no/such/file.py' does not exist"),
         (["worker.reward.reward_function=null"], "worker.reward.reward_function is required"),
-        (["trainer.logger=[console,mlflow]"], r"trainer.logger has unknown entries \['mlflow'\]"),
+        (["trainer.logger=[console,neptune]"], r"trainer.logger has unknown entries \['neptune'\]"),
         (["worker.rollout.val_override_config={temprature: 0}"], r"val_override_config has unknown keys \['temprature'\]"),
         (["algorithm.online_filtering=true", "algorithm.filter_low=0.9", "algorithm.filter_high=0.1"],
          "algorithm.filter_low=0.9 must be < algorithm.filter_high=0.1"),
@@ -168,7 +168,7 @@ def test_every_field_has_a_docstring() -> None:
 
     for cls in (cfg.DataConfig, cfg.AlgorithmConfig, cfg.ModelConfig, cfg.OptimConfig, cfg.FSDPConfig,
                 cfg.OffloadConfig, cfg.ActorConfig, cfg.RefConfig, cfg.RolloutConfig, cfg.RewardConfig,
-                cfg.TrainerConfig):  # fmt: skip
+                cfg.TrainerConfig, cfg.CriticConfig):  # fmt: skip
         docs = field_docs(cls)
         for f in fields(cls):
             if not is_dataclass(f.type) and f.name not in ("model", "optim", "fsdp", "offload"):

@@ -50,7 +50,7 @@ class DataConfig(_Section):
     """Training data: a .json/.jsonl/.parquet/.csv file, a folder of them, or `hub_name@split`."""
     val_files: str = ""
     """Validation data, same forms as `train_files`; empty disables validation."""
-    prompt_key: str = "problem"
+    prompt_key: str = "prompt"
     """Column holding the prompt text; `<image>`/`<video>` mark where each image/video goes."""
     answer_key: str = "answer"
     """Column holding the ground truth passed to the reward function."""
@@ -61,7 +61,8 @@ class DataConfig(_Section):
     image_dir: str | None = None
     """Folder prepended to relative image paths; default: the data file's folder."""
     video_fps: float = 2.0
-    """Frames per second sampled from videos (video input is not supported yet; kept so EasyR1 configs load)."""
+    """Frames per second sampled from videos. Video input is not supported yet: the key loads, and a
+    dataset row with videos or a `<video>` marker fails at start-up saying so."""
     max_prompt_length: int = 512
     """Maximum prompt length in tokens, counted after image tokens are expanded."""
     max_response_length: int = 512
@@ -69,7 +70,9 @@ class DataConfig(_Section):
     rollout_batch_size: int = 512
     """Prompts per training step (each sampled `worker.rollout.n` times)."""
     mini_rollout_batch_size: int | None = None
-    """Generate the step's prompts in chunks of this many (bounds rollout memory); None: all at once."""
+    """Prompts drawn per generation round; a step draws rounds until it holds `rollout_batch_size`
+    groups (after online filtering, when on; each round counts toward `trainer.max_try_make_batch`)
+    and cuts off the excess. None: one round of `rollout_batch_size` prompts."""
     val_batch_size: int = -1
     """Prompts per validation generation call; -1: the whole validation set at once."""
     format_prompt: str | None = None
@@ -86,8 +89,8 @@ class DataConfig(_Section):
     """Images with more pixels are downscaled to at most this many."""
     filter_overlong_prompts: bool = True
     """Drop prompts longer than `max_prompt_length` (counted in the logs); False: such a row is an error."""
-    filter_overlong_prompts_workers: int = 1
-    """Accepted for EasyR1 configs; the length check runs in one process (thousands of rows/s)."""
+    filter_overlong_prompts_workers: int = 16
+    """Threads that tokenize prompts for the start-up length check (the tokenizer releases the GIL)."""
     skip_bad_rows: bool = False
     """Skip (and count) bad rows (missing or undecodable images, mismatched `<image>` markers, ...)
     instead of failing, at start-up and when a row fails later (replaced by another row of the epoch)."""
@@ -175,11 +178,12 @@ class OptimConfig(_Section):
     lr_warmup_ratio: float = 0.0
     """Warm-up length as a fraction of the training steps."""
     lr_warmup_steps: int | None = None
-    """Warm-up length in steps (overrides `lr_warmup_ratio`)."""
+    """Warm-up length in trainer steps (overrides `lr_warmup_ratio`); the LR still rises with every
+    optimizer step inside them."""
     lr_scheduler_type: str = "constant"
     """Schedule after warm-up: constant or cosine."""
-    min_lr_ratio: float = 0.0
-    """Cosine schedule floor, as a fraction of `lr`."""
+    min_lr_ratio: float | None = None
+    """Cosine schedule floor, as a fraction of `lr`; None: 0."""
 
 
 @dataclass
@@ -189,11 +193,21 @@ class FSDPConfig(_Section):
     enable_cpu_offload: bool = False
     """Let FSDP2 keep parameters on CPU (GPU only)."""
     torch_dtype: str | None = None
-    """Dtype of the master weights: float32 (default for training) or bfloat16 (pure bf16)."""
+    """Dtype of the master weights: fp32/float32 (default for training) or bf16/bfloat16 (pure bf16)."""
     mp_param_dtype: str = "bf16"
     """Mixed-precision compute dtype on GPU (ignored on CPU, which computes in float32)."""
     mp_reduce_dtype: str = "fp32"
     """Gradient reduction dtype."""
+    mp_buffer_dtype: str = "fp32"
+    """Dtype of buffers (rotary frequencies): only fp32 is supported (FSDP2 does not cast buffers)."""
+    enable_rank0_init: bool = True
+    """Rank 0 reads the weights from disk and the other ranks receive them (one disk read);
+    False: every rank reads the whole checkpoint itself."""
+    use_orig_params: bool = False
+    """Accepted for EasyR1 configs: FSDP2 always keeps the original parameters, whatever the value."""
+    fsdp_size: int = -1
+    """Ranks per sharding group; -1 (or the world size): shard over all ranks. Hybrid sharding
+    (a smaller group, replicated across groups) is not supported yet."""
 
 
 @dataclass
@@ -207,7 +221,7 @@ class OffloadConfig(_Section):
 @dataclass
 class ActorConfig(_Section):
     strategy: str = "fsdp"
-    """Training strategy (only fsdp, i.e. FSDP2)."""
+    """Training strategy: fsdp (FSDP2); anything else fails at start-up."""
     global_batch_size: int = 256
     """Prompts per optimizer step (mini-batch), across all ranks; each prompt brings n samples."""
     micro_batch_size_per_device_for_update: int = 4
@@ -223,7 +237,12 @@ class ActorConfig(_Section):
     clip_ratio_dual: float = 3.0
     """Dual-clip bound for negative advantages (must be > 1)."""
     policy_loss: str = "ppo"
-    """Policy loss: ppo (vanilla/dual-clip), gspo, gspo_token, cispo, sapo."""
+    """Policy loss: ppo (vanilla/dual-clip), gspo, gspo_token, cispo, sapo. EasyR1's
+    `worker.actor.loss_type` is an alias (its `default` is ppo)."""
+    tau_positive: float = 1.0
+    """SAPO gate temperature for tokens with positive advantages."""
+    tau_negative: float = 1.05
+    """SAPO gate temperature for tokens with negative advantages (larger: the gate decays faster)."""
     loss_avg_mode: str = "token"
     """Loss aggregation: token (mean over all tokens), seq (mean of per-sequence means), seq-mean-token-sum."""
     ppo_epochs: int = 1
@@ -233,14 +252,17 @@ class ActorConfig(_Section):
     dynamic_batching: bool = False
     """Form micro-batches by a token budget (`max_token_len_per_device`) instead of a sample count."""
     max_token_len_per_device: int | None = None
-    """Token budget per micro-batch with dynamic batching; default: 2 x (prompt + response length).
-    Per device: with ulysses_size > 1 a micro-batch holds up to ulysses_size times as many tokens."""
+    """Token budget per micro-batch with dynamic batching; None: the micro-batch size times the
+    longest sequence of the batch being split (EasyR1's rule). Per device: with ulysses_size > 1 a
+    micro-batch holds up to ulysses_size times as many tokens."""
     ulysses_size: int = 1
     """Ulysses sequence parallelism: groups of this many ranks get the same rows and each runs 1/size
     of every packed micro-batch's tokens (attention exchanges heads for tokens with all-to-alls), so
     activation memory per rank falls by about this factor. Must divide the world size and the text
     decoder's attention heads (key/value heads: divide or be divided by it); needs padding_free.
     Applies to the actor and the reference. Data parallelism is over world / ulysses_size groups."""
+    use_torch_compile: bool = False
+    """Compile the per-token log-prob/entropy function with torch.compile (also for the reference)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (0 disables the extra pass)."""
     skip_steps_without_advantage: bool = True
@@ -257,20 +279,59 @@ class ActorConfig(_Section):
 
 @dataclass
 class RefConfig(_Section):
+    strategy: str = "fsdp"
+    """Sharding strategy of the reference: fsdp (FSDP2); anything else fails at start-up."""
+    micro_batch_size_per_device_for_experience: int | None = None
+    """Samples per forward when computing reference log-probs (per rank); None: the actor's."""
+    padding_free: bool | None = None
+    """Pack sequences without padding; None: as the actor."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the reference (its own; not the actor's). On GPU the weights are kept in bf16
+    unless `torch_dtype` says otherwise (no optimizer needs fp32 master weights)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """`offload_params`: keep the reference weights on CPU and move them in only for its forward
+    (GPU only). `offload_optimizer` has nothing to act on (the reference has no optimizer)."""
+
+
+@dataclass
+class CriticConfig(_Section):
+    """EasyR1's critic settings. They matter only for algorithm.adv_estimator=gae, which vlrl does not
+    train yet (rejected at start-up); they load so EasyR1 configs carry over."""
+
+    strategy: str = "fsdp"
+    """Training strategy of the critic."""
+    global_batch_size: int = 256
+    """Prompts per critic optimizer step."""
+    micro_batch_size_per_device_for_update: int = 4
+    """Samples per critic forward/backward (per rank)."""
     micro_batch_size_per_device_for_experience: int = 16
-    """Samples per forward when computing reference log-probs (per rank)."""
-    padding_free: bool = True
-    """Pack sequences without padding."""
-    offload_params: bool = False
-    """Keep the reference weights on CPU and move them in only for its forward (GPU only)."""
+    """Samples per forward when computing values (per rank)."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping threshold of the critic."""
+    cliprange_value: float = 0.5
+    """Value-loss clip range."""
+    loss_avg_mode: str = "token"
+    """Value-loss aggregation."""
+    ppo_epochs: int = 1
+    """Critic passes over each step's data."""
+    padding_free: bool = False
+    """Pack sequences without padding in the critic."""
+    dynamic_batching: bool = True
+    """Token-budget micro-batches in the critic."""
+    ulysses_size: int = 1
+    """Sequence-parallel group size of the critic."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
 
 @dataclass
 class RolloutConfig(_Section):
     name: str = "vllm"
     """Rollout engine: vllm (SPMD, one engine per rank) or hf (transformers generate; slow, for debugging)."""
-    n: int = 5
-    """Responses sampled per prompt (the GRPO group size)."""
+    n: int = 1
+    """Responses sampled per prompt (the GRPO group size; grpo and rloo need >= 2)."""
     temperature: float = 1.0
     """Sampling temperature (also applied to the log-probs the actor computes)."""
     top_p: float = 1.0
@@ -309,10 +370,15 @@ class RolloutConfig(_Section):
     """Warn when the mean |engine - actor| log-prob of a step exceeds this (nats per token): the
     actor is then not scoring the policy that sampled (stale weights, a different distribution).
     bf16 engines typically differ by ~0.01."""
+    disable_tqdm: bool = False
+    """Hide the engine's per-call progress bar (shown on rank 0 only)."""
+    disable_log_stats: bool = True
+    """Keep vLLM from logging its engine statistics (throughput, KV-cache use) periodically."""
     sync_bucket_mb: int = 256
     """Weight-sync bucket size in MiB: bounds the extra memory of one sync."""
-    val_override_config: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.5, "n": 1})
-    """Sampling overrides for validation (keys: n, temperature, top_p, top_k, seed, ignore_eos)."""
+    val_override_config: dict[str, Any] = field(default_factory=dict)
+    """Sampling overrides for validation (keys: n, temperature, top_p, top_k, seed, ignore_eos);
+    empty: validation samples as training does."""
 
 
 @dataclass
@@ -327,7 +393,8 @@ class RewardConfig(_Section):
     skip_special_tokens: bool = True
     """Decode responses without special tokens."""
     num_workers: int = 1
-    """Reward worker processes (rewards run off the training processes); 0: in the driver (debugging, no timeout)."""
+    """Reward worker processes (rewards run off the training processes); 0: in the driver (debugging,
+    no timeout). EasyR1's `worker.reward.num_cpus` is an alias."""
     timeout: float = 60.0
     """Seconds one reward call may take before it counts as a failure."""
     on_failure: str = "raise"
@@ -341,8 +408,9 @@ class RewardConfig(_Section):
 @dataclass
 class WorkerConfig(_Section):
     hybrid_engine: bool = True
-    """Actor, rollout and reference share each rank: always on (accepted so EasyR1 configs load)."""
+    """Actor, rollout and reference share each rank. Only true is supported (false fails at start-up)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -354,13 +422,13 @@ class TrainerConfig(_Section):
     total_epochs: int = 15
     """Passes over the training data."""
     max_steps: int | None = None
-    """Stop after this many steps (overrides `total_epochs` when smaller)."""
+    """Train this many steps; `total_epochs` is then ignored (the data repeats as needed)."""
     project_name: str = "vlrl"
     """Project name (wandb project, default output folder)."""
     experiment_name: str = "demo"
     """Run name."""
     logger: list[str] = field(default_factory=lambda: ["console", "file"])
-    """Loggers: any of console, file, wandb, tensorboard."""
+    """Loggers: any of console, file, wandb, tensorboard, swanlab, mlflow."""
     nnodes: int = 1
     """Nodes in the Ray cluster to use."""
     n_gpus_per_node: int = 8
@@ -393,6 +461,10 @@ class TrainerConfig(_Section):
     """Resume from this checkpoint (a `global_step_N` folder)."""
     find_last_checkpoint: bool = True
     """Resume from the newest complete checkpoint in `save_checkpoint_path` when one exists."""
+    critic_warmup: int = 0
+    """Steps that train only the critic (gae only; accepted, no critic is trained here)."""
+    ray_timeline: str | None = None
+    """Write Ray's task timeline (Chrome trace JSON) to this file at the end of the run."""
     plot_path: str | None = None
     """Write a PNG of reward and response length per step here at the end."""
 
@@ -483,10 +555,11 @@ class PPOConfig(_Section):
             rollout.max_model_len = self.data.max_prompt_length + self.data.max_response_length
         if model.tokenizer_path is None:
             model.tokenizer_path = model.model_path
-        if self.worker.actor.max_token_len_per_device is None:
-            self.worker.actor.max_token_len_per_device = 2 * (
-                self.data.max_prompt_length + self.data.max_response_length
-            )
+        ref, actor = self.worker.ref, self.worker.actor
+        if ref.micro_batch_size_per_device_for_experience is None:
+            ref.micro_batch_size_per_device_for_experience = actor.micro_batch_size_per_device_for_experience
+        if ref.padding_free is None:
+            ref.padding_free = actor.padding_free
         if self.trainer.save_checkpoint_path is None:
             self.trainer.save_checkpoint_path = os.path.join(
                 "checkpoints", self.trainer.project_name, self.trainer.experiment_name

@@ -6,13 +6,16 @@ file or model folder) is checked here, at start-up.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from vlrl.config import PPOConfig
 
-KNOWN_LOGGERS = ("console", "file", "wandb", "tensorboard")
+KNOWN_LOGGERS = ("console", "file", "wandb", "tensorboard", "swanlab", "mlflow")
+# logger -> the package it needs (checked at start-up, not at the first log call)
+LOGGER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "swanlab": "swanlab", "mlflow": "mlflow"}
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "seed", "ignore_eos", "max_tokens")
 
 
@@ -21,6 +24,7 @@ def check_config(config: PPOConfig) -> list[str]:
     for check in (
         _check_sequence_parallel,
         _check_batch_sizes,
+        _check_not_supported_yet,
         _check_algorithm,
         _check_rollout,
         _check_reward,
@@ -75,10 +79,13 @@ def _check_batch_sizes(config: PPOConfig) -> list[str]:
             f"(global_batch_size x n / data-parallel groups), which must be divisible by "
             f"worker.actor.micro_batch_size_per_device_for_update={actor.micro_batch_size_per_device_for_update}"
         )
-    mini = data.mini_rollout_batch_size
-    if mini is not None and (mini < 1 or data.rollout_batch_size % mini):
+    mini, tries = data.mini_rollout_batch_size, config.trainer.max_try_make_batch
+    if mini is not None and mini < 1:
+        errors.append(f"data.mini_rollout_batch_size={mini} must be >= 1 (or null)")
+    elif mini is not None and tries > 0 and -(-data.rollout_batch_size // mini) > tries:
         errors.append(
-            f"data.rollout_batch_size={data.rollout_batch_size} must be divisible by data.mini_rollout_batch_size={mini}"
+            f"data.rollout_batch_size={data.rollout_batch_size} takes {-(-data.rollout_batch_size // mini)} rounds "
+            f"of data.mini_rollout_batch_size={mini} prompts, more than trainer.max_try_make_batch={tries}"
         )
     return errors
 
@@ -101,6 +108,45 @@ def _check_sequence_parallel(config: PPOConfig) -> list[str]:
             "worker.ref.padding_free=true"
         )
     return errors
+
+
+def _check_not_supported_yet(config: PPOConfig) -> list[str]:
+    """EasyR1 keys that load but whose other values name features vlrl does not have."""
+    worker, world = config.worker, config.world_size
+    errors = []
+    if not worker.hybrid_engine:
+        errors.append(
+            "worker.hybrid_engine=false: separate actor/rollout/reference workers are not supported; "
+            "vlrl always runs them on the same ranks (set it to true)"
+        )
+    for key, strategy in (
+        ("worker.actor.strategy", worker.actor.strategy),
+        ("worker.ref.strategy", worker.ref.strategy),
+    ):
+        if strategy != "fsdp":
+            errors.append(f"{key}={strategy!r}: only fsdp (FSDP2) is supported")
+    for section, fsdp in (("worker.actor.fsdp", worker.actor.fsdp), ("worker.ref.fsdp", worker.ref.fsdp)):
+        if 0 < fsdp.fsdp_size < world:
+            errors.append(
+                f"{section}.fsdp_size={fsdp.fsdp_size}: hybrid sharding (groups smaller than the world size "
+                f"{world}) is not supported yet; use -1 to shard over all ranks"
+            )
+        elif fsdp.fsdp_size == 0 or fsdp.fsdp_size < -1:
+            errors.append(f"{section}.fsdp_size={fsdp.fsdp_size} must be -1 or >= 1")
+        if fsdp.mp_buffer_dtype not in ("fp32", "float32"):
+            errors.append(f"{section}.mp_buffer_dtype={fsdp.mp_buffer_dtype!r}: only fp32 is supported")
+        for name in ("torch_dtype", "mp_param_dtype", "mp_reduce_dtype"):
+            value = getattr(fsdp, name)
+            if value is not None and value not in DTYPE_NAMES:
+                errors.append(f"{section}.{name}={value!r} is unknown; choose one of {list(DTYPE_NAMES)}")
+    if config.data.filter_overlong_prompts_workers < 1:
+        errors.append(
+            f"data.filter_overlong_prompts_workers={config.data.filter_overlong_prompts_workers} must be >= 1"
+        )
+    return errors
+
+
+DTYPE_NAMES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 
 
 def _check_algorithm(config: PPOConfig) -> list[str]:
@@ -196,7 +242,7 @@ def _check_reward(config: PPOConfig) -> list[str]:
         errors.append(f"worker.reward.on_failure={reward.on_failure!r} must be raise or zero")
     if not reward.reward_function:
         errors.append(
-            "worker.reward.reward_function is required (e.g. ./reward_functions/math.py:compute_score)"
+            "worker.reward.reward_function is required (e.g. ./reward_functions/boxed_math.py:compute_score)"
         )
     else:
         path = (
@@ -226,6 +272,13 @@ def _check_trainer(config: PPOConfig) -> list[str]:
     bad = [name for name in trainer.logger if name not in KNOWN_LOGGERS]
     if bad:
         errors.append(f"trainer.logger has unknown entries {bad}; valid: {list(KNOWN_LOGGERS)}")
+    for name in trainer.logger:
+        package = LOGGER_PACKAGES.get(name)
+        if package and importlib.util.find_spec(package) is None:
+            errors.append(
+                f"trainer.logger includes {name!r}, but the {package!r} package is not installed: "
+                f"pip install {package}, or drop {name} from trainer.logger"
+            )
     if trainer.device not in ("cpu", "cuda"):
         errors.append(f"trainer.device={trainer.device!r} must be auto, cpu or cuda")
     if trainer.dist_timeout_minutes <= 0:

@@ -3,7 +3,8 @@
     load_config(["config=examples/quickstart.yaml", "worker.rollout.n=8", "trainer.logger=[console]"])
 
 Values in overrides are parsed as YAML (`8` is an int, `[a,b]` a list, `{"k": 1}` a dict, `null`
-None). Unknown keys and wrong types raise `ConfigError` naming the key and the nearest valid one.
+None). Unknown keys and wrong types raise one `ConfigError` listing every such key, each with the
+nearest valid name. EasyR1's names for vlrl keys are aliases (`vlrl.config_compat.ALIASES`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,23 @@ from typing import Any
 import yaml
 
 from vlrl.config import ConfigError, PPOConfig, _Section
+from vlrl.config_compat import resolve_aliases
 
 
 def load_config(argv: list[str], finalize: bool = True) -> PPOConfig:
-    """Defaults <- `config=FILE` <- `a.b=value` overrides; then derive, validate and freeze."""
+    """Defaults <- `config=FILE` <- `a.b=value` overrides; then derive, validate and freeze.
+
+    Every unknown key and wrong type of the file and the overrides is reported in one error."""
+    errors: list[str] = []
+    tree = read_tree(argv, errors)
+    config = build_section(PPOConfig, tree, prefix="", errors=errors)
+    if errors:
+        raise ConfigError(f"{len(errors)} problem(s) in the config keys:\n  - " + "\n  - ".join(errors))
+    return config.finalize() if finalize else config
+
+
+def read_tree(argv: list[str], errors: list[str] | None = None) -> dict[str, Any]:
+    """The nested dict of the YAML file with the overrides applied and EasyR1 aliases resolved."""
     tree: dict[str, Any] = {}
     overrides: list[tuple[str, Any]] = []
     for arg in argv:
@@ -37,8 +51,31 @@ def load_config(argv: list[str], finalize: bool = True) -> PPOConfig:
             overrides.append((key, _parse_value(raw)))
     for key, value in overrides:
         _set_dotted(tree, key, value)
-    config = build_section(PPOConfig, tree, prefix="")
-    return config.finalize() if finalize else config
+    resolve_aliases(tree, errors if errors is not None else [])
+    return tree
+
+
+def given_keys(argv: list[str]) -> set[str]:
+    """Dotted leaf keys that the file or the overrides set (after alias resolution)."""
+    out: set[str] = set()
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and value and prefix + key not in _DICT_FIELDS:
+                walk(value, prefix + key + ".")
+            else:
+                out.add(prefix + key)
+
+    walk(read_tree(argv), "")
+    return out
+
+
+# Leaves whose value is a mapping (not a section).
+_DICT_FIELDS = {
+    "worker.actor.model.override_config",
+    "worker.rollout.val_override_config",
+    "worker.reward.reward_function_kwargs",
+}
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
@@ -72,22 +109,32 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def build_section(cls: type, values: dict[str, Any], prefix: str) -> Any:
-    """Instantiate dataclass `cls` from a nested dict, checking keys and types."""
+def build_section(cls: type, values: Any, prefix: str, errors: list[str] | None = None) -> Any:
+    """Instantiate dataclass `cls` from a nested dict, checking keys and types.
+
+    With `errors`, every problem is appended there (the field keeps its default) and building goes
+    on; without, the first problem raises `ConfigError`."""
+    collect: list[str] = [] if errors is None else errors
     if not isinstance(values, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
+        collect.append(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
+        values = {}
     known = {f.name: f for f in fields(cls)}
     hints = typing.get_type_hints(cls)
-    for key in values:
-        if key not in known:
-            raise ConfigError(_unknown_key_message(prefix + key, key, list(known)))
     kwargs = {}
     for name, value in values.items():
+        if name not in known:
+            collect.append(_unknown_key_message(prefix + name, name, list(known)))
+            continue
         hint = hints[name]
         if isinstance(hint, type) and issubclass(hint, _Section):
-            kwargs[name] = build_section(hint, value or {}, prefix + name + ".")
-        else:
+            kwargs[name] = build_section(hint, value or {}, prefix + name + ".", collect)
+            continue
+        try:
             kwargs[name] = _coerce(value, hint, prefix + name)
+        except ConfigError as exc:
+            collect.append(str(exc))
+    if errors is None and collect:
+        raise ConfigError(collect[0])
     return cls(**kwargs)
 
 

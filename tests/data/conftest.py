@@ -52,7 +52,11 @@ def make_config() -> Callable[..., DataConfig]:
 
     def make(**overrides: Any) -> DataConfig:
         values = dict(
-            min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_prompt_length=256, rollout_batch_size=4
+            min_pixels=MIN_PIXELS,
+            max_pixels=MAX_PIXELS,
+            max_prompt_length=256,
+            rollout_batch_size=4,
+            prompt_key="problem",
         )
         values.update(overrides)
         return DataConfig(**values)

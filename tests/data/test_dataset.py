@@ -50,9 +50,10 @@ def test_mixed_rows(tokenizer_processor, make_config, mixed_file):
     assert text.raw_prompt_ids == text.input_ids.tolist()
     assert one.raw_prompt_ids.count(pad) == 1 and one.images[0].size == (56, 56)
     assert (one.input_ids == pad).sum() == 4  # 56x56 -> 2x2 merged tokens
-    assert two.raw_prompt_ids.count(pad) == 2 and [im.size for im in two.images] == [(112, 84), (56, 56)]
-    assert (two.input_ids == pad).sum() == 4 * 3 + 2 * 2  # big: 84x112 -> 3x4; tiny upscaled: 2x2
-    assert two.image_grid_thw.tolist() == [[1, 6, 8], [1, 4, 4]]
+    # big (200x150 > max_pixels): scaled to 129x96, rounded to 140x84 (EasyR1's sizes); tiny upscaled: 2x2
+    assert two.raw_prompt_ids.count(pad) == 2 and [im.size for im in two.images] == [(140, 84), (56, 56)]
+    assert (two.input_ids == pad).sum() == 5 * 3 + 2 * 2
+    assert two.image_grid_thw.tolist() == [[1, 6, 10], [1, 4, 4]]
     assert [s.uid for s in (text, one, two, bare)] == [0, 1, 2, 3]
     assert one.extras == {"level": "a"} and one.ground_truth == "red" and bare.images == []
     assert "<|vision_start|><|image_pad|><|vision_end|>What colour" in one.prompt
@@ -80,9 +81,15 @@ def test_pixel_bounds(tokenizer_processor, make_config, mixed_file, bounds):
     dataset = RLDataset(
         mixed_file, make_config(min_pixels=bounds[0], max_pixels=bounds[1]), tokenizer, processor
     )
-    for image in dataset[2].images:
+    # EasyR1's rule: scale into the bounds (sides truncated), then round each side to the nearest
+    # 28-pixel block, so the area may end up to a block's rounding outside the bounds.
+    from vlrl.data.images import scale_into_bounds
+
+    for image, (w0, h0) in zip(dataset[2].images, [(400, 300), (10, 10)]):
         width, height = image.size
-        assert width % 28 == 0 and height % 28 == 0 and bounds[0] <= width * height <= bounds[1]
+        scaled_h, scaled_w = scale_into_bounds(h0, w0, *bounds)
+        assert width % 28 == 0 and height % 28 == 0
+        assert abs(width - scaled_w) <= 14 and abs(height - scaled_h) <= 14, (image.size, scaled_w, scaled_h)
 
 
 def test_pixel_bounds_default_to_the_processor(tokenizer_processor, make_config, mixed_file):
@@ -189,3 +196,17 @@ def test_text_model(tokenizer_processor, make_config, tmp_path):
     batch = collate_prompts([dataset[0], dataset[1]], dataset.pad_token_id)
     assert batch.position_ids.shape == batch.input_ids.shape and batch.position_ids.dim() == 2
     assert batch.raw_prompt_ids[0] == dataset[0].input_ids.tolist() and batch.images == [[], []]
+
+
+def test_length_check_threads_keep_the_same_rows(tokenizer_processor, make_config, tmp_path):
+    """`data.filter_overlong_prompts_workers` tokenizes in threads; the kept rows do not change."""
+    tokenizer, _ = tokenizer_processor("qwen2_5_vl")
+    rows = [{"problem": "word " * (1 + i % 40), "answer": str(i)} for i in range(300)]
+    path = write_jsonl(tmp_path / "many.jsonl", rows)
+    kept = {}
+    for workers in (1, 4):
+        dataset = RLDataset(
+            path, make_config(max_prompt_length=30, filter_overlong_prompts_workers=workers), tokenizer, None
+        )
+        kept[workers] = [dataset.location(i)[1] for i in range(len(dataset))]
+    assert kept[1] == kept[4] and 0 < len(kept[1]) < 300

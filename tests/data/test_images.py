@@ -102,3 +102,44 @@ def test_unexpected_decoder_errors_are_image_problems(monkeypatch):
     monkeypatch.setattr("PIL.ImageFile.ImageFile.load", broken_load)
     with pytest.raises(ImageProblem, match=r"could not be decoded \(IndexError: tile out of range\)"):
         load_image(png_bytes(), ".")
+
+
+def test_easyr1_sizes_at_the_pixel_bounds():
+    """EasyR1 scales into the data bounds (truncating), then the processor rounds to its blocks:
+    a 180x240 (width x height) image becomes 448x588 (rounding straight to the bound gave 448x616)."""
+    from vlrl.data.images import scale_into_bounds
+
+    height, width = scale_into_bounds(240, 180, 262144, 4194304)
+    assert (width, height) == (443, 591)
+    assert smart_resize(height, width, 28, 56 * 56, 28 * 28 * 16384) == (588, 448)
+    assert scale_into_bounds(3000, 4000, None, 1_000_000) == (
+        866,
+        1154,
+    )  # int(3000 * 0.2887), int(4000 * 0.2887)
+    assert scale_into_bounds(300, 400, 1000, 10**6) == (300, 400)  # within: unchanged
+
+
+def test_preparer_gives_easyr1_sizes(tokenizer_processor, make_config):
+    """Through the row preparer, with a processor whose own bounds are Qwen2.5-VL's."""
+    from vlrl.data.prepare import RowPreparer
+
+    tokenizer, processor = tokenizer_processor("qwen2_5_vl")
+    prep = RowPreparer(make_config(min_pixels=262144, max_pixels=4194304), tokenizer, processor)
+    prep.processor_bounds = (56 * 56, 28 * 28 * 16384)  # Qwen2.5-VL's image processor defaults
+    assert prep.target_size(240, 180) == (588, 448)
+
+
+def test_relative_paths_from_the_data_folder_or_the_working_directory(tmp_path, monkeypatch):
+    """The data file's folder first (vlrl), then the working directory (EasyR1)."""
+    from vlrl.data.images import check_exists, image_path
+
+    data_dir, cwd = tmp_path / "data", tmp_path / "run"
+    write_png(data_dir / "imgs" / "a.png")
+    write_png(cwd / "imgs" / "b.png")
+    monkeypatch.chdir(cwd)
+    assert image_path("imgs/a.png", str(data_dir)) == str(data_dir / "imgs" / "a.png")
+    assert image_path("imgs/b.png", str(data_dir)) == str(cwd / "imgs" / "b.png")
+    with pytest.raises(
+        ImageProblem, match=r"imgs/c.png does not exist \(nor .*run/imgs/c.png, from the working"
+    ):
+        check_exists("imgs/c.png", str(data_dir))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from data_helpers import write_jsonl
@@ -91,3 +92,25 @@ def test_unreachable_hub_name_is_a_data_error(monkeypatch):
         DataError, match="org/name@train: is not a local file and cannot be loaded from the hub"
     ):
         load_sources("org/name@train", None, "images")
+
+
+def test_splits_of_folders_and_files_as_datasets_names_them(tmp_path):
+    """`FOLDER@split` picks files by split name; a folder alone is its train split; FILE@train."""
+    for name in ("train-00000.jsonl", "train-00001.jsonl", "test-00000.jsonl"):
+        write_jsonl(tmp_path / "d" / name, ROWS)
+    folder = str(tmp_path / "d")
+    names = lambda found: [os.path.basename(p) for p in found]  # noqa: E731
+    assert names(resolve_files(folder)) == ["train-00000.jsonl", "train-00001.jsonl"]
+    assert names(resolve_files(f"{folder}@train")) == ["train-00000.jsonl", "train-00001.jsonl"]
+    assert names(resolve_files(f"{folder}@test")) == ["test-00000.jsonl"]
+    with pytest.raises(DataError, match=r"folder has no 'validation' split; its splits: \['test', 'train'\]"):
+        resolve_files(f"{folder}@validation")
+    write_jsonl(tmp_path / "s" / "train" / "a.jsonl", ROWS)
+    write_jsonl(tmp_path / "s" / "test" / "b.jsonl", ROWS)
+    assert names(resolve_files(f"{tmp_path / 's'}@test")) == ["b.jsonl"]
+    single = str(tmp_path / "d" / "test-00000.jsonl")
+    assert resolve_files(f"{single}@train") == [single]
+    with pytest.raises(DataError, match="a single file holds only the 'train' split"):
+        resolve_files(f"{single}@test")
+    (source,) = load_sources(f"{folder}@test", None, "images")
+    assert source.dataset.to_list() == ROWS

@@ -57,14 +57,14 @@ def _batch(name, response, truth, length=10, **kwargs):
 )
 def test_math_reward(response, truth, fmt, acc):
     start = time.perf_counter()
-    score = _batch("math", response, truth)
+    score = _batch("boxed_math", response, truth)
     assert time.perf_counter() - start < 2.0  # generous: a shared 2-core machine
     assert (score["format"], score["accuracy"]) == (fmt, acc)
     assert score["overall"] == pytest.approx(0.9 * acc + 0.1 * fmt)
 
 
 def test_math_format_weight_kwarg():
-    assert _batch("math", r"\boxed{1}", "2", format_weight=0.5)["overall"] == 0.5
+    assert _batch("boxed_math", r"\boxed{1}", "2", format_weight=0.5)["overall"] == 0.5
 
 
 def test_last_boxed_keeps_nested_braces():

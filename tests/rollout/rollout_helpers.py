@@ -20,6 +20,7 @@ PIXELS = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16}
 
 
 def data_config(max_response_length: int = 12, **kwargs: Any) -> DataConfig:
+    kwargs.setdefault("prompt_key", "problem")
     return DataConfig(max_prompt_length=256, max_response_length=max_response_length, **PIXELS, **kwargs)
 
 

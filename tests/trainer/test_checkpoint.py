@@ -55,3 +55,41 @@ def test_save_limit_keeps_newest_and_best(tmp_path: Path) -> None:
     assert manager.complete_steps() == [2, 4, 5]  # newest two + the best (step 2)
     assert manager.tracker["best"] == 2 and manager.tracker["latest"] == 5
     assert not any(name.endswith(".tmp") for name in os.listdir(tmp_path))
+
+
+def test_checkpoints_of_another_trainer_are_never_touched(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An EasyR1 run's folder: global_step_N/{actor,dataloader.pt} and its own checkpoint_tracker.json."""
+    theirs = {
+        "best_global_step": 2,
+        "best_val_reward_score": 0.3,
+        "last_global_step": 4,
+        "last_actor_path": "x",
+    }
+    for step in (2, 4):
+        _writer("easyr1")(str(tmp_path / f"global_step_{step}" / "actor"))
+        (tmp_path / f"global_step_{step}" / "dataloader.pt").write_bytes(b"\0")
+    (tmp_path / "checkpoint_tracker.json").write_text(json.dumps(theirs))
+    with caplog.at_level("WARNING"):
+        manager = CheckpointManager(str(tmp_path), save_limit=1)
+    assert (
+        "checkpoints vlrl did not write (global_step_2, global_step_4, checkpoint_tracker.json)"
+        in caplog.text
+    )
+    assert manager.latest() is None  # never resumed from
+    with pytest.raises(
+        RuntimeError, match="holds checkpoints vlrl did not write \\(global_step_4\\) at steps this run"
+    ):
+        manager.check_no_collisions([3, 4, 5])
+    manager.check_no_collisions([1, 3])
+    for step in (1, 3):
+        manager.save(step, _writer("vlrl"), {}, score=None)  # save_limit=1 prunes only vlrl's own
+    assert sorted(os.listdir(tmp_path)) == [
+        "checkpoint_tracker.json", "global_step_2", "global_step_3", "global_step_4", "vlrl_checkpoint_tracker.json",
+    ]  # fmt: skip
+    assert json.loads((tmp_path / "checkpoint_tracker.json").read_text()) == theirs
+    assert json.loads((tmp_path / "vlrl_checkpoint_tracker.json").read_text())["latest"] == 3
+    with pytest.raises(RuntimeError, match="global_step_4 was not written by vlrl"):
+        manager.save(4, _writer("vlrl"), {}, score=None)
+    assert (tmp_path / "global_step_4" / "actor" / "weights.txt").read_text() == "easyr1"

@@ -93,10 +93,13 @@ def test_two_ranks_train_checkpoint_and_resume(assets: dict[str, Path], tmp_path
     assert tracker["latest"] == 2
     _check_merged_weights_changed(out / "global_step_2" / "actor", assets["model"])
 
-    proc = _run(_args(assets, out, *common, "trainer.max_steps=3"))
+    timeline = tmp_path / "timeline.json"
+    proc = _run(_args(assets, out, *common, "trainer.max_steps=3", f"trainer.ray_timeline={timeline}"))
     assert "resumed from" in proc.stdout + proc.stderr
     assert sorted(_metrics(out)) == [1, 2, 3]  # step 3 ran after the resume; 1-2 were not repeated
     assert (out / "global_step_3").is_dir()
+    events = json.loads(timeline.read_text())  # Ray's task timeline (Chrome trace events)
+    assert any("generate" in str(event.get("name", "")) for event in events), events[:3]
 
 
 def test_two_ranks_one_ulysses_group(assets: dict[str, Path], tmp_path: Path) -> None:

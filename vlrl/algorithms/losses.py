@@ -22,8 +22,9 @@ PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
 LOSS_AGG_MODES = ("token", "seq", "seq-mean-token-sum")
 LOG_RATIO_CLAMP = 20.0
-# SAPO temperatures (Gao et al. 2025, "Soft Adaptive Policy Optimization"): the gate of tokens with
-# negative advantages decays faster (tau_neg > tau_pos), which the paper found more stable.
+# Default SAPO temperatures (Gao et al. 2025, "Soft Adaptive Policy Optimization"; config keys
+# worker.actor.tau_positive / tau_negative): the gate of tokens with negative advantages decays
+# faster (tau_neg > tau_pos), which the paper found more stable.
 SAPO_TAU_POS = 1.0
 SAPO_TAU_NEG = 1.05
 
@@ -197,15 +198,17 @@ def sapo(
     clip_ratio_low: float,
     clip_ratio_high: float,
     clip_ratio_dual: float,
+    tau_positive: float = SAPO_TAU_POS,
+    tau_negative: float = SAPO_TAU_NEG,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO: L = -A * f(r) with the soft gate f(r) = sigmoid(tau (r - 1)) * 4 / tau.
 
-    tau = SAPO_TAU_POS (1.0) if A > 0 else SAPO_TAU_NEG (1.05). df/dr = 4 sigma (1 - sigma) is 1 at
+    tau = tau_positive (default 1.0) if A > 0 else tau_negative (default 1.05). df/dr = 4 sigma (1 - sigma) is 1 at
     r = 1 (the plain policy gradient on-policy) and decays smoothly as r leaves 1, replacing the hard
     clip. The clip ratios are ignored and both clip-fraction indicators are 0.
     """
     ratio = _ratio(old_log_probs, log_probs)
-    tau = torch.where(advantages > 0, SAPO_TAU_POS, SAPO_TAU_NEG).to(ratio.dtype)
+    tau = torch.where(advantages > 0, tau_positive, tau_negative).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     no_clip = torch.zeros_like(ratio, dtype=torch.bool)
     return -advantages * gate, {"pg_clipfrac_higher": no_clip, "pg_clipfrac_lower": no_clip}
@@ -246,8 +249,11 @@ def compute_policy_loss(
     loss_avg_mode: str,
     num_tokens: float,
     num_seqs: float,
+    tau_positive: float = SAPO_TAU_POS,
+    tau_negative: float = SAPO_TAU_NEG,
 ) -> tuple[Tensor, dict[str, float]]:
     """Policy loss `name` (`worker.actor.policy_loss`) aggregated with `loss_avg_mode`; all inputs [B, T].
+    `tau_positive` / `tau_negative` are SAPO's gate temperatures (used by sapo only).
 
     Returns the scalar loss of this micro-batch (see `aggregate_loss` for num_tokens / num_seqs and
     the world-size factor) and token-mean metrics over this micro-batch as floats: pg_loss,
@@ -265,6 +271,7 @@ def compute_policy_loss(
         clip_ratio_low=clip_ratio_low,
         clip_ratio_high=clip_ratio_high,
         clip_ratio_dual=clip_ratio_dual,
+        **({"tau_positive": tau_positive, "tau_negative": tau_negative} if name == "sapo" else {}),
     )
     loss = aggregate_loss(loss_mat, response_mask, loss_avg_mode, num_tokens, num_seqs)
     with torch.no_grad():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -190,7 +191,7 @@ class RLDataset(torch.utils.data.Dataset):
         if not pending:
             return
         limit = self.config.max_prompt_length
-        encoded = self.tokenizer([p[1] for p in pending], add_special_tokens=False)["input_ids"]
+        encoded = self._token_ids([p[1] for p in pending])
         for (row_idx, _, extra, _), ids in zip(pending, encoded):
             length = len(ids) + extra
             if length <= limit:
@@ -204,6 +205,20 @@ class RLDataset(torch.utils.data.Dataset):
                     file=source.name,
                     row=row_idx,
                 )
+
+    def _token_ids(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of `texts`, in `data.filter_overlong_prompts_workers` threads (a fast tokenizer
+        releases the GIL while it encodes)."""
+        workers = min(self.config.filter_overlong_prompts_workers, max(len(texts) // 64, 1))
+        if workers <= 1:
+            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        size = -(-len(texts) // workers)
+        pieces = [texts[i : i + size] for i in range(0, len(texts), size)]
+        with ThreadPoolExecutor(workers) as pool:
+            parts = pool.map(
+                lambda piece: self.tokenizer(piece, add_special_tokens=False)["input_ids"], pieces
+            )
+            return [ids for part in parts for ids in part]
 
     def _log_summary(self) -> None:
         names = ", ".join(s.name for s in self.sources[:3]) + (" ..." if len(self.sources) > 3 else "")

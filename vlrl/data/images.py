@@ -1,7 +1,8 @@
 """Images: the accepted cell forms, cheap size probing, decoding and the Qwen-VL resize rule.
 
 A dataset cell holding one image may be
-- a path (str or os.PathLike; relative paths are joined to the image folder; `file://` allowed),
+- a path (str or os.PathLike; relative paths are joined to the image folder, else taken from the
+  working directory as EasyR1 does; `file://` allowed),
 - a PIL image,
 - a dict `{"bytes": ..., "path": ...}` (how parquet files / `datasets.Image` features store images;
   `bytes` wins when present, else `path` is read),
@@ -46,7 +47,13 @@ def image_path(value: Any, image_dir: str) -> str | None:
     if isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
         path = path[len("file://") :] if path.startswith("file://") else path
-        return path if os.path.isabs(path) else os.path.join(image_dir, path)
+        if os.path.isabs(path):
+            return path
+        joined = os.path.join(image_dir, path)
+        # EasyR1 opens relative paths from the working directory: accept those too
+        if not os.path.exists(joined) and os.path.exists(path):
+            return os.path.abspath(path)
+        return joined
     return None
 
 
@@ -73,7 +80,9 @@ def check_exists(value: Any, image_dir: str) -> None:
     if os.path.isdir(path):
         raise ImageProblem(f"image path {path} is a directory, not an image file")
     if not os.path.isfile(path):
-        raise ImageProblem(f"image file {path} does not exist")
+        relative = isinstance(value, (str, os.PathLike)) and not os.path.isabs(os.fspath(value))
+        also = f" (nor {os.path.abspath(os.fspath(value))}, from the working directory)" if relative else ""
+        raise ImageProblem(f"image file {path} does not exist{also}")
 
 
 def _open(value: Any, image_dir: str) -> Image.Image:
@@ -161,6 +170,25 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def scale_into_bounds(
+    height: int, width: int, min_pixels: int | None, max_pixels: int | None
+) -> tuple[int, int]:
+    """(height, width) scaled by one factor so the area is at most `max_pixels` and at least
+    `min_pixels` (None: no bound); sides are truncated to integers (so the area may end a little
+    inside the bound). Unchanged when already within."""
+    if min(height, width) <= 0:
+        raise ImageProblem(f"image has an empty side ({width}x{height})")
+    if max_pixels is not None and height * width > max_pixels:
+        scale = math.sqrt(max_pixels / (height * width))
+        height, width = int(height * scale), int(width * scale)
+    if min_pixels is not None and height * width < min_pixels:
+        scale = math.sqrt(min_pixels / (height * width))
+        height, width = int(height * scale), int(width * scale)
+    if min(height, width) <= 0:
+        raise ImageProblem(f"image scales to an empty side ({width}x{height}) within the pixel bounds")
+    return height, width
 
 
 def resize_image(image: Image.Image, height: int, width: int) -> Image.Image:

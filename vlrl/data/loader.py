@@ -117,14 +117,19 @@ def create_dataloaders(
 ) -> tuple[StatefulPromptLoader, StatefulPromptLoader | None]:
     """(train loader, validation loader or None) from a `DataConfig`.
 
-    Training: shuffled by `data.seed`, `data.rollout_batch_size` prompts, drop_last. Validation:
+    Training: shuffled by `data.seed`, batches of `data.mini_rollout_batch_size` prompts (when set;
+    the trainer draws batches until a step is full) or `data.rollout_batch_size`, drop_last. Validation:
     file order, `data.val_batch_size` prompts (-1: all), nothing dropped.
     """
     from vlrl.data.dataset import RLDataset
 
     train_set = RLDataset(config.train_files, config, tokenizer, processor, hf_config=hf_config)
     train = StatefulPromptLoader(
-        train_set, config.rollout_batch_size, shuffle=config.shuffle, seed=config.seed, drop_last=True
+        train_set,
+        config.mini_rollout_batch_size or config.rollout_batch_size,
+        shuffle=config.shuffle,
+        seed=config.seed,
+        drop_last=True,
     )
     if not config.val_files:
         return train, None

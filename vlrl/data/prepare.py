@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from vlrl.data.answers import AnswerProblem, normalize_answer
 from vlrl.data.collate import PromptSample
-from vlrl.data.images import check_exists, image_list, load_image, probe_size, resize_image, smart_resize
+from vlrl.data.images import (
+    check_exists,
+    image_list,
+    load_image,
+    probe_size,
+    resize_image,
+    scale_into_bounds,
+    smart_resize,
+)
 from vlrl.data.prompts import ChatFormatter, FormatPrompt, count_markers, expand_image_tokens
 from vlrl.models.processor import VisionSpec, vision_spec
 from vlrl.models.rope import mrope_position_ids, text_position_ids
@@ -50,6 +59,8 @@ class RowPreparer:
         self.chat = ChatFormatter(tokenizer, processor, config.override_chat_template)
         self.spec: VisionSpec | None = vision_spec(processor, hf_config) if processor is not None else None
         self.min_pixels, self.max_pixels = self._pixel_bounds(config)
+        # the processor's own bounds: its resize runs after the data bounds' rescale
+        self.processor_bounds = self._pixel_bounds(SimpleNamespace(min_pixels=None, max_pixels=None))
         self.used_keys = {config.prompt_key, config.answer_key, config.image_key, config.video_key}
 
     @property
@@ -128,8 +139,14 @@ class RowPreparer:
         return sizes
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:
-        """(height, width) within the pixel bounds, sides multiples of patch * merge."""
-        return smart_resize(height, width, self.vision.factor, self.min_pixels, self.max_pixels)
+        """(height, width) the model sees, sides multiples of patch * merge (EasyR1's sizes).
+
+        Two steps, as EasyR1 does them: scale into [data.min_pixels, data.max_pixels] keeping the
+        aspect ratio (sides truncated to integers), then the image processor's rounding to
+        multiples of the block size within its own bounds. (A 180x240 image at min_pixels=262144
+        becomes 443x591, then 448x588; rounding straight to the bounds would give 448x616.)"""
+        height, width = scale_into_bounds(height, width, self.config.min_pixels, self.config.max_pixels)
+        return smart_resize(height, width, self.vision.factor, *self.processor_bounds)
 
     def tokens_per_image(self, sizes: list[tuple[int, int]]) -> list[int]:
         """LLM tokens per image: (h / factor) * (w / factor) after the 2x2 merge."""

@@ -2,7 +2,10 @@
 
 `data.train_files` / `val_files` accept
 - a .json (a list of records, or JSON lines), .jsonl, .parquet or .csv file,
-- a folder: every such file under it (recursively, sorted by path),
+- a folder: the files of one split under it (recursively, sorted by path), found by the rules of
+  `datasets` (names such as `train-00000.parquet`, `test.jsonl` or folders `train/`, `test/`); a
+  folder without split names is all `train`,
+- `FILE@split` / `FOLDER@split` picks the split (default `train`; a single file only has `train`),
 - several of the above separated by commas,
 - a hub dataset `org/name@split` (split defaults to `train`; needs network access or the local
   cache); an entry that looks local (see `vlrl.path_checks.looks_local`) is never sent to the hub.
@@ -50,15 +53,36 @@ def _split_spec(spec: str | Sequence[str]) -> list[str]:
     return [part.strip() for item in items for part in item.split(",") if part.strip()]
 
 
-def _folder_files(folder: str) -> list[str]:
-    found = []
-    for root, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [os.path.join(root, n) for n in names if os.path.splitext(n)[1].lower() in DATA_EXTENSIONS]
-    if not found:
+def _folder_files(folder: str, split: str) -> list[str]:
+    """Data files of `split` under `folder`, split by file and folder names as `datasets` does."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    def usable(path: str) -> bool:
+        parts = os.path.relpath(path, folder).split(os.sep)
+        return os.path.splitext(path)[1].lower() in DATA_EXTENSIONS and not any(
+            p.startswith(".") for p in parts
+        )
+
+    try:
+        by_split = DataFilesDict.from_patterns(get_data_patterns(folder), base_path=folder)
+    except FileNotFoundError:  # datasets: no files at all
+        by_split = DataFilesDict()
+    splits = {str(name): sorted(p for p in files if usable(p)) for name, files in by_split.items()}
+    splits = {name: files for name, files in splits.items() if files}
+    if not splits:
         kinds = ", ".join(DATA_EXTENSIONS)
         raise DataError(f"folder has no data files ({kinds})", file=folder)
-    return sorted(found)
+    if split not in splits:
+        raise DataError(f"folder has no {split!r} split; its splits: {sorted(splits)}", file=folder)
+    return splits[split]
+
+
+def _local_split(entry: str) -> tuple[str, str]:
+    """(path, split) of a local `PATH@split` entry; (entry, "train") when it names no split."""
+    path, at, split = entry.rpartition("@")
+    if at and split and os.path.exists(path) and not os.path.exists(entry):
+        return path, split
+    return entry, "train"
 
 
 def _is_hub_name(entry: str) -> bool:
@@ -76,9 +100,16 @@ def resolve_files(spec: str | Sequence[str], check_hub: bool = False) -> list[st
 
     `check_hub`: also check that hub datasets are cached or reachable (a few seconds at most)."""
     out: list[str] = []
-    for entry in _split_spec(spec):
+    for item in _split_spec(spec):
+        entry, split = _local_split(item)
         if os.path.isdir(entry):
-            out += _folder_files(entry)
+            out += _folder_files(entry, split)
+        elif os.path.isfile(entry) and split != "train":
+            raise DataError(
+                f"a single file holds only the 'train' split (as in `datasets`), not {split!r}; name the "
+                "file of that split, or a folder with split-named files",
+                file=item,
+            )
         elif os.path.isfile(entry):
             ext = os.path.splitext(entry)[1].lower()
             if ext not in DATA_EXTENSIONS:

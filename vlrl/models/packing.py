@@ -244,12 +244,26 @@ def _score_chunk(
     return log_probs, entropy
 
 
+_compiled_score_chunk: Any = None
+
+
+def chunk_scorer(compiled: bool) -> Any:
+    """`_score_chunk`, or its torch.compile'd version (built once; `worker.actor.use_torch_compile`)."""
+    global _compiled_score_chunk
+    if not compiled:
+        return _score_chunk
+    if _compiled_score_chunk is None:
+        _compiled_score_chunk = torch.compile(_score_chunk, dynamic=True)
+    return _compiled_score_chunk
+
+
 def score_tokens(
     logits: Tensor,
     targets: Tensor,
     sampling: SamplingDistribution,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    compiled: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs [M] (and entropies [M]) of `targets` under `sampling` applied to logits [M, V].
 
@@ -259,12 +273,13 @@ def score_tokens(
     carries gradients only with `entropy_grad` (an entropy bonus in the loss).
     """
     grad = torch.is_grad_enabled() and logits.requires_grad
+    score_chunk = chunk_scorer(compiled)
     log_probs, entropies = [], []
     for chunk, tgt in zip(logits.split(LOGIT_CHUNK), targets.split(LOGIT_CHUNK)):
         if grad:
-            lp, ent = checkpoint(_score_chunk, chunk, tgt, sampling, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(score_chunk, chunk, tgt, sampling, with_entropy, use_reentrant=False)
         else:
-            lp, ent = _score_chunk(chunk, tgt, sampling, with_entropy)
+            lp, ent = score_chunk(chunk, tgt, sampling, with_entropy)
         log_probs.append(lp)
         if ent is not None:
             entropies.append(ent if entropy_grad else ent.detach())
@@ -287,6 +302,7 @@ def forward_log_probs(
     sampling: SamplingDistribution = SamplingDistribution(),
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    compiled: bool = False,
 ) -> LogProbOutput:
     """Run `model` on `inputs` and return the response log-probs (and entropy) as [N, R].
 
@@ -312,7 +328,7 @@ def forward_log_probs(
     # an anchor, or an empty slice of the logits). Reduced in fp32 inside the kernel: an fp32 copy
     # would cost 4 bytes per logit (~5 GB at 8k tokens x 152k vocab).
     anchor = 0.0 * extra.sum(dtype=torch.float32)
-    log_prob, entropy_flat = score_tokens(scored, targets, sampling, with_entropy, entropy_grad)
+    log_prob, entropy_flat = score_tokens(scored, targets, sampling, with_entropy, entropy_grad, compiled)
     if sp is not None:  # every rank of the group gets all M, in packed order
         log_prob = gather_tokens(log_prob, counts, sp)
         if entropy_flat is not None:

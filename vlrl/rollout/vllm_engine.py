@@ -106,7 +106,7 @@ def llm_kwargs(
         logits_processors=[vllm_hooks.ban_tokens_processor(banned_token_ids, use_v2_runner)],
         # log-probs after temperature and the token ban: what the actor recomputes
         logprobs_mode="processed_logprobs",
-        disable_log_stats=True,
+        disable_log_stats=c.disable_log_stats,
     )
     if limit_images is not None:
         kwargs["limit_mm_per_prompt"] = {"image": limit_images, "video": 0}
@@ -151,6 +151,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.on_gpu = torch.cuda.is_available()
         self.sleep_enabled = bool(config.enable_sleep_mode) and self.on_gpu  # refused on CPU by vLLM
         self.use_v2 = vllm_hooks.uses_v2_runner()
+        self.show_progress = self.rank == 0 and not config.disable_tqdm  # vLLM's per-call progress bar
         # V2 runner, calls without a seed: the engine's own stream of call seeds (TP peers agree).
         self._call_seeds = random.Random(config.seed + self.dp_rank)
         self._check_limits()
@@ -291,13 +292,13 @@ class VLLMRolloutEngine(RolloutEngine):
         """
         if not self.use_v2:
             with seeded_rng(self.call_seed(s)):
-                return self.llm.generate(requests, self.sampling_params(s), use_tqdm=False)
+                return self.llm.generate(requests, self.sampling_params(s), use_tqdm=self.show_progress)
         seed = self.call_seed(s)
         if seed is None:
             seed = self._call_seeds.getrandbits(62)
         n = 1 if s.greedy else s.n
         params = [self.sampling_params(s, r) for r in vllm_hooks.request_seeds(seed, len(requests), n)]
-        return self.llm.generate(requests, params, use_tqdm=False)
+        return self.llm.generate(requests, params, use_tqdm=self.show_progress)
 
     # ------------------------------------------------------------------------ weights
     def map_weight_name(self, name: str) -> str:

@@ -8,6 +8,11 @@ Layout under `trainer.save_checkpoint_path`:
     checkpoint_tracker.json   {"latest": N, "best": M, "best_score": x}, replaced atomically
 
 A crash (or kill -9) at any moment leaves either the previous complete checkpoint or the new one.
+
+Checkpoints vlrl did not write (a `global_step_N` without `trainer_state.json`, e.g. EasyR1's, and
+EasyR1's `checkpoint_tracker.json`) are never deleted or overwritten: they are reported at start-up,
+vlrl's tracker then goes to `vlrl_checkpoint_tracker.json`, and a run that would save a step of the
+same number stops at start-up (`check_no_collisions`).
 The ranks write their shards into the folder and the driver completes it, so the folder must be
 shared by all nodes: `check_shared_filesystem` verifies that at start-up.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -26,7 +32,9 @@ from typing import Any
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 TRACKER = "checkpoint_tracker.json"
+OWN_TRACKER = "vlrl_checkpoint_tracker.json"  # used when TRACKER belongs to another trainer
 STATE = "trainer_state.json"
+logger = logging.getLogger(__name__)
 
 
 def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
@@ -43,14 +51,60 @@ class CheckpointManager:
         self.root = root
         self.save_limit = save_limit
         os.makedirs(root, exist_ok=True)
+        self.tracker_path = os.path.join(root, TRACKER if self._tracker_is_ours(TRACKER) else OWN_TRACKER)
         self.tracker = self._read_tracker()
+        found = self.foreign_entries()
+        if found:
+            logger.warning(
+                "%s holds checkpoints vlrl did not write (%s); they are left untouched and vlrl does not "
+                "resume from them",
+                root,
+                ", ".join(found),
+            )
+
+    def _tracker_is_ours(self, name: str) -> bool:
+        """A tracker file vlrl wrote (or none yet)."""
+        path = os.path.join(self.root, name)
+        if not os.path.isfile(path):
+            return True
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return False
+        return isinstance(data, dict) and "latest" in data and "best_score" in data
 
     def _read_tracker(self) -> dict[str, Any]:
-        path = os.path.join(self.root, TRACKER)
-        if os.path.isfile(path):
-            with open(path) as f:
+        if os.path.isfile(self.tracker_path):
+            with open(self.tracker_path) as f:
                 return json.load(f)
         return {"latest": None, "best": None, "best_score": None}
+
+    def foreign_steps(self) -> list[int]:
+        """Steps of `global_step_N` folders without vlrl's trainer state (another trainer's)."""
+        steps = []
+        for name in os.listdir(self.root):
+            match = STEP_DIR.match(name)
+            if match and not os.path.isfile(os.path.join(self.root, name, STATE)):
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def foreign_entries(self) -> list[str]:
+        """Names of everything in the folder that another trainer wrote, for the start-up report."""
+        names = [f"global_step_{step}" for step in self.foreign_steps()]
+        if self.tracker_path.endswith(OWN_TRACKER) and os.path.isfile(os.path.join(self.root, TRACKER)):
+            names.append(TRACKER)
+        return names
+
+    def check_no_collisions(self, planned_steps: list[int]) -> None:
+        """Fail (at start-up) when this run would save a step whose folder another trainer wrote."""
+        clash = sorted(set(self.foreign_steps()) & set(planned_steps))
+        if clash:
+            raise RuntimeError(
+                f"trainer.save_checkpoint_path={self.root} holds checkpoints vlrl did not write "
+                f"({', '.join(f'global_step_{s}' for s in clash)}) at steps this run would save; vlrl never "
+                "deletes them: point trainer.save_checkpoint_path at another folder"
+            )
 
     def complete_steps(self) -> list[int]:
         """Steps with a complete checkpoint folder, oldest first."""
@@ -70,6 +124,10 @@ class CheckpointManager:
     ) -> str:
         """Write a checkpoint for `step`: actor files via `write_actor(folder)`, then the trainer state."""
         final = os.path.join(self.root, f"global_step_{step}")
+        if os.path.isdir(final) and not os.path.isfile(os.path.join(final, STATE)):
+            raise RuntimeError(
+                f"{final} was not written by vlrl; it is not overwritten (choose another folder)"
+            )
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -86,7 +144,7 @@ class CheckpointManager:
         best = self.tracker.get("best_score")
         if score is not None and (best is None or score > best):
             self.tracker["best"], self.tracker["best_score"] = step, score
-        _write_json_atomic(os.path.join(self.root, TRACKER), self.tracker)
+        _write_json_atomic(self.tracker_path, self.tracker)
 
     def _enforce_limit(self) -> None:
         """Keep the newest `save_limit` checkpoints plus the best one."""

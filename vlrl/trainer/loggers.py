@@ -1,4 +1,4 @@
-"""Metric loggers selected by `trainer.logger`: console, file (JSONL), wandb, tensorboard."""
+"""Metric loggers selected by `trainer.logger`: console, file (JSONL), wandb, tensorboard, swanlab, mlflow."""
 
 from __future__ import annotations
 
@@ -97,6 +97,74 @@ class TensorboardLogger:
         self.writer.close()
 
 
+class SwanlabLogger:
+    """SwanLab; its mode follows SWANLAB_MODE (online needs `swanlab login`; local/offline write to
+    the run's folder)."""
+
+    def __init__(self, project: str, name: str, config: dict[str, Any], folder: str) -> None:
+        import swanlab
+
+        self.swanlab = swanlab
+        self.run = swanlab.init(
+            project=project, name=name, config=config, log_dir=os.path.join(folder, "swanlog")
+        )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        if samples:
+            text = "\n\n".join(json.dumps(s, ensure_ascii=False, default=str) for s in samples)
+            self.run.log({"val/generations": self.swanlab.Text(text)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowLogger:
+    """MLflow tracking: MLFLOW_TRACKING_URI when set, else a file store in the run's folder (`mlruns/`)."""
+
+    def __init__(self, project: str, name: str, config: dict[str, Any], folder: str) -> None:
+        import mlflow
+
+        self.mlflow = mlflow
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # The database store needs the full mlflow package; the file store is enough for one run.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(folder, "mlruns")))
+        mlflow.set_experiment(project)
+        self.run = mlflow.start_run(run_name=name)
+        mlflow.log_params({k[:250]: str(v)[:6000] for k, v in _flatten(config).items()})
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics({_mlflow_key(k): float(v) for k, v in metrics.items()}, step=step)
+
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        if samples:
+            self.mlflow.log_text(
+                "\n".join(json.dumps(s, ensure_ascii=False, default=str) for s in samples),
+                f"generations/step_{step}.jsonl",
+            )
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _mlflow_key(key: str) -> str:
+    """MLflow accepts letters, digits, `_ - . / ` and spaces in metric names; others become `_`."""
+    return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in key)
+
+
 class Tracker:
     """Fans every call out to the configured loggers."""
 
@@ -113,6 +181,12 @@ class Tracker:
                 self.loggers.append(WandbLogger(project, experiment, config, folder))
             elif name == "tensorboard":
                 self.loggers.append(TensorboardLogger(folder))
+            elif name == "swanlab":
+                self.loggers.append(SwanlabLogger(project, experiment, config, folder))
+            elif name == "mlflow":
+                self.loggers.append(MlflowLogger(project, experiment, config, folder))
+            else:  # config_checks rejects unknown names at start-up; never drop one silently
+                raise ValueError(f"unknown logger {name!r}")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for logger in self.loggers:

@@ -1,7 +1,7 @@
 """Command line: `python -m vlrl.trainer.main config=FILE.yaml key.sub=value ...`
 
 --help                 every config key with its default and docstring
-print_config=true      print the resolved config (after the file and overrides) and exit
+print_config=true      print the resolved config (after the file and overrides) and exit (true, True, 1)
 """
 
 from __future__ import annotations
@@ -20,16 +20,21 @@ def _usage() -> str:
 
 
 def run(argv: list[str]) -> int:
-    from vlrl.config_loader import describe, load_config
+    from vlrl.config_compat import startup_notes
+    from vlrl.config_loader import describe, given_keys, load_config
 
     if any(arg in ("-h", "--help") for arg in argv):
         print(_usage())
         return 0
-    show = "print_config=true" in argv
+    show = print_config_requested(argv)
     argv = [arg for arg in argv if not arg.startswith("print_config=")]
     config = load_config(argv)
+    notes = startup_notes(config, given_keys(argv))
     if show:
         print("\n".join(describe(config)))
+    for note in notes:
+        print(f"[vlrl] config: {note}", file=sys.stderr, flush=True)
+    if show:
         return 0
     from vlrl.trainer.ray_trainer import RayPPOTrainer
     from vlrl.trainer.summary import write_summary
@@ -42,8 +47,33 @@ def run(argv: list[str]) -> int:
     finally:
         if trainer is not None:
             trainer.close()
+        _write_ray_timeline(config.trainer.ray_timeline)
         _stop_ray()
     return 0
+
+
+def print_config_requested(argv: list[str]) -> bool:
+    """`print_config=VALUE` read as a YAML boolean (true/True/1/yes print; false/0 train)."""
+    import yaml
+
+    values = [arg.split("=", 1)[1] for arg in argv if arg.startswith("print_config=")]
+    if not values:
+        return False
+    raw = values[-1]
+    value = yaml.safe_load(raw) if raw else False
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise ConfigError(f"print_config={raw!r} must be true or false")
+    return bool(value)
+
+
+def _write_ray_timeline(path: str | None) -> None:
+    """`trainer.ray_timeline`: Ray's task timeline as a Chrome trace (open in chrome://tracing)."""
+    import ray
+
+    if path and ray.is_initialized():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        ray.timeline(filename=path)
+        print(f"[vlrl] wrote the Ray timeline to {path}", file=sys.stderr, flush=True)
 
 
 def _stop_ray() -> None:

@@ -57,6 +57,7 @@ class RayPPOTrainer:
                                self.run_dir, config.to_dict())  # fmt: skip
         self.global_step = 0
         self.total_steps = self._total_steps()
+        self.checkpoints.check_no_collisions(self._save_steps())
         self.history: list[dict[str, float]] = []  # per-step metrics, for the summary and the plot
         self.drift_steps = 0  # steps whose engine/actor log-prob gap exceeded log_prob_diff_warn
         warning = truncation_warning(config.worker.rollout.top_p, config.worker.rollout.top_k)
@@ -71,10 +72,20 @@ class RayPPOTrainer:
         self.ranks.call_all("setup", self.data.max_images_per_prompt, self._optimizer_steps())
 
     def _total_steps(self) -> int:
-        steps = len(self.data.train_loader) * self.config.trainer.total_epochs
-        if self.config.trainer.max_steps is not None:
-            steps = min(steps, self.config.trainer.max_steps)
-        return steps
+        """`trainer.max_steps` when set (epochs then repeat as needed, as in EasyR1), else batches
+        of `rollout_batch_size` prompts per epoch x `total_epochs` (the loader's batches are
+        `mini_rollout_batch_size` prompts when that is set)."""
+        data, trainer = self.config.data, self.config.trainer
+        if trainer.max_steps is not None:
+            return trainer.max_steps
+        per_batch = data.mini_rollout_batch_size or data.rollout_batch_size
+        return len(self.data.train_loader) * per_batch // data.rollout_batch_size * trainer.total_epochs
+
+    def _save_steps(self) -> list[int]:
+        """Steps this run saves a checkpoint at: every `save_freq`, and the last."""
+        freq = self.config.trainer.save_freq
+        steps = set(range(freq, self.total_steps + 1, freq)) if freq > 0 else set()
+        return sorted(steps | {self.total_steps})
 
     def _optimizer_steps(self) -> int:
         """Actor optimizer steps of the whole run: steps x mini-batches per step x PPO epochs."""
@@ -102,7 +113,7 @@ class RayPPOTrainer:
         progress = tqdm(total=self.total_steps, initial=self.global_step, desc="steps", disable=None)
         while self.global_step < self.total_steps:
             self.global_step += 1
-            metrics = self.train_step(self.data.next_train_batch())
+            metrics = self.train_step()
             last = self.global_step == self.total_steps
             val_score = None
             if self.data.val_loader is not None and (
@@ -121,12 +132,12 @@ class RayPPOTrainer:
         progress.close()
         return self.history
 
-    def train_step(self, prompts: PromptBatch) -> dict[str, float]:
+    def train_step(self) -> dict[str, float]:
         algo, world = self.config.algorithm, self.config.world_size
         timer, metrics = PhaseTimer(), {}
         with timer("step"):
-            # 1-2. generate and score (refilled by online filtering until the batch is full)
-            batch, reward_metrics = self._generate_scored_batch(prompts, timer)
+            # 1-2. draw prompts, generate and score until the batch holds rollout_batch_size groups
+            batch, baselines, reward_metrics = self._generate_scored_batch(timer)
             metrics.update(reward_metrics)
             # 3. old and reference log-probs, on token-balanced shards
             # (on-policy: no old pass, the update's own log-probs are the old ones; only the reference)
@@ -154,7 +165,7 @@ class RayPPOTrainer:
                 batch.advantages, batch.returns = compute_advantages(
                     algo.adv_estimator, batch.token_level_rewards, batch.response_mask, batch.group_ids,
                     gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std_in_grpo,
-                    baseline_scores=self._remax_baselines(prompts, batch) if algo.adv_estimator == "remax" else None,
+                    baseline_scores=baselines,
                 )  # fmt: skip
             # 6. actor update, then weight sync to the engines
             with timer("update"):
@@ -181,56 +192,80 @@ class RayPPOTrainer:
         return {"rollout/log_prob_drift_steps": float(self.drift_steps)}
 
     # ------------------------------------------------------------------------ generation
-    def _generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch:
-        """Responses for `prompts` from every rank's engine, in chunks of `data.mini_rollout_batch_size`."""
+    def _generate(
+        self, prompts: PromptBatch, overrides: dict[str, Any] | None = None, round_: int = 0
+    ) -> RolloutBatch:
+        """Responses for `prompts` from every rank's engine. `round_`: the generation round of this
+        step (each round gets its own seed)."""
         rollout = self.config.worker.rollout
-        overrides = {"seed": _step_seed(rollout.seed, self.global_step), **(overrides or {})}
-        chunk = self.config.data.mini_rollout_batch_size or len(prompts)
-        parts = []
-        for start in range(0, len(prompts), chunk):
-            piece = prompts.select(list(range(start, min(start + chunk, len(prompts)))))
-            shards = split_prompts(piece, self.config.world_size, rollout.tensor_parallel_size)
-            results = self.ranks.call(
-                "generate", shards, overrides={**overrides, "seed": overrides["seed"] + start}
-            )
-            parts.append(merge_rollouts(results, rollout.tensor_parallel_size, self.data.pad_token_id))
-        return parts[0] if len(parts) == 1 else merge_rollouts(parts, 1, self.data.pad_token_id)
+        seed = _step_seed(rollout.seed, self.global_step) + round_ * 1_000_003
+        overrides = {"seed": seed, **(overrides or {})}
+        shards = split_prompts(prompts, self.config.world_size, rollout.tensor_parallel_size)
+        results = self.ranks.call("generate", shards, overrides=overrides)
+        return merge_rollouts(results, rollout.tensor_parallel_size, self.data.pad_token_id)
 
     def _generate_scored_batch(
-        self, prompts: PromptBatch, timer: PhaseTimer
-    ) -> tuple[RolloutBatch, dict[str, float]]:
-        """Generate and score; with online filtering, keep drawing prompts until the batch is full."""
+        self, timer: PhaseTimer
+    ) -> tuple[RolloutBatch, torch.Tensor | None, dict[str, float]]:
+        """Draw loader batches (of `mini_rollout_batch_size` prompts when set), generate and score
+        them, and (online filtering) drop groups at a reward bound, until `rollout_batch_size`
+        groups are kept; the excess is cut off. Returns the batch, the ReMax baselines [N] (None
+        for other estimators) and the metrics."""
         algo, trainer = self.config.algorithm, self.config.trainer
         kept: list[RolloutBatch] = []
+        baselines: list[torch.Tensor] = []
         n_groups, tries, metrics = 0, 0, {}
         target = self.config.data.rollout_batch_size
         while True:
             tries += 1
+            prompts = self.data.next_train_batch()
             with timer("gen"):
-                batch = self._generate(prompts)
+                batch = self._generate(prompts, round_=tries - 1)
             with timer("reward"):
                 reward_metrics = self._score(batch)
             if not kept:
                 metrics.update(reward_metrics)  # rewards before filtering: what the policy does
-            if not algo.online_filtering:
-                return batch, metrics
-            values = torch.tensor([parts.get(algo.filter_key, 0.0) for parts in batch.scored_parts()])
-            keep = filter_groups(values, batch.group_ids, algo.filter_low, algo.filter_high)
-            kept.append(batch.select(keep))
+            keep = torch.ones(len(batch), dtype=torch.bool)
+            if algo.online_filtering:
+                keep = filter_groups(
+                    self._filter_values(batch), batch.group_ids, algo.filter_low, algo.filter_high
+                )
+                metrics["filter/kept_ratio"] = keep.float().mean().item()
+            if algo.adv_estimator == "remax":
+                baselines.append(self._remax_baselines(prompts, batch, tries - 1)[keep])
+            # group ids are unique within a round; rounds may repeat a prompt (a new epoch)
+            batch.group_ids = batch.group_ids + ((tries - 1) << 40)
+            kept.append(batch.select(keep) if not bool(keep.all()) else batch)
             n_groups += len(set(batch.group_ids[keep].tolist()))
-            metrics["filter/kept_ratio"] = keep.float().mean().item()
             if n_groups >= target:
                 break
             if 0 <= trainer.max_try_make_batch <= tries:
                 raise RuntimeError(
-                    f"online filtering kept {n_groups} of {target} groups after {tries} generation rounds "
-                    "(trainer.max_try_make_batch); most groups have all-equal rewards: widen "
-                    "algorithm.filter_low/filter_high, raise max_try_make_batch, or turn online_filtering off"
+                    f"kept {n_groups} of {target} groups after {tries} generation rounds "
+                    "(trainer.max_try_make_batch); with online filtering most groups have all-equal "
+                    "rewards: widen algorithm.filter_low/filter_high, raise max_try_make_batch, or turn "
+                    "online_filtering off"
                 )
-            prompts = self.data.next_train_batch()
-        metrics["filter/tries"] = float(tries)
-        merged = merge_rollouts(kept, 1, self.data.pad_token_id)
-        return merged.select(list(range(target * self.config.worker.rollout.n))), metrics
+        if algo.online_filtering:
+            metrics["filter/tries"] = float(tries)
+        size = target * self.config.worker.rollout.n
+        merged = kept[0] if len(kept) == 1 else merge_rollouts(kept, 1, self.data.pad_token_id)
+        if len(merged) > size:
+            merged = merged.select(list(range(size)))
+        baseline = torch.cat(baselines)[:size] if baselines else None
+        return merged, baseline, metrics
+
+    def _filter_values(self, batch: RolloutBatch) -> torch.Tensor:
+        """Each sample's `algorithm.filter_key` reward part; an error naming the parts the reward
+        function returns when it has no such part (instead of filtering every group out)."""
+        key, scored = self.config.algorithm.filter_key, batch.scored_parts()
+        missing = [i for i, parts in enumerate(scored) if key not in parts]
+        if missing:
+            raise ValueError(
+                f"algorithm.filter_key={key!r}: the reward function returned no {key!r} score (it returned "
+                f"{sorted(scored[missing[0]])}); set algorithm.filter_key to one of them"
+            )
+        return torch.tensor([float(parts[key]) for parts in scored])
 
     def _score(self, batch: RolloutBatch) -> dict[str, float]:
         """Decode, score in the reward workers, and put the score on each response's last token."""
@@ -245,9 +280,9 @@ class RayPPOTrainer:
         batch.token_level_scores = scores_to_token_level(overall, batch.response_mask)
         return result.metrics()
 
-    def _remax_baselines(self, prompts: PromptBatch, batch: RolloutBatch) -> torch.Tensor:
+    def _remax_baselines(self, prompts: PromptBatch, batch: RolloutBatch, round_: int) -> torch.Tensor:
         """ReMax: each sample's baseline is the reward of a greedy response to its prompt. [N]"""
-        greedy = self._generate(prompts, {"n": 1, "temperature": 0.0})
+        greedy = self._generate(prompts, {"n": 1, "temperature": 0.0}, round_)
         self._score(greedy)
         by_uid = {
             uid: parts["overall"] for uid, parts in zip(greedy.group_ids.tolist(), greedy.scored_parts())

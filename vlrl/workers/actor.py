@@ -59,12 +59,17 @@ TOKEN_METRICS = ("pg_clipfrac_higher", "pg_clipfrac_lower", "ppo_kl", "entropy")
 LOSS_METRICS = ("pg_loss", "kl_loss")
 
 
+def optimizer_steps_per_trainer_step(config: PPOConfig) -> int:
+    """Mini-batches per step x PPO epochs."""
+    minis = max(config.data.rollout_batch_size // max(config.worker.actor.global_batch_size, 1), 1)
+    return minis * config.worker.actor.ppo_epochs
+
+
 def default_total_steps(config: PPOConfig) -> int | None:
     """Optimizer steps of the whole run when `trainer.max_steps` is set, else None (unknown)."""
     if not config.trainer.max_steps:
         return None
-    minis = max(config.data.rollout_batch_size // max(config.worker.actor.global_batch_size, 1), 1)
-    return config.trainer.max_steps * minis * config.worker.actor.ppo_epochs
+    return config.trainer.max_steps * optimizer_steps_per_trainer_step(config)
 
 
 class _UpdateStats:
@@ -165,7 +170,9 @@ class Actor(ShardedModel):
     def set_total_steps(self, total_steps: int | None) -> None:
         """Optimizer steps of the whole run (for warm-up ratio and cosine); rebuilds the schedule."""
         self.total_steps = total_steps
-        self.scheduler = build_lr_scheduler(self.optimizer, self.cfg.optim, total_steps or 0)
+        self.scheduler = build_lr_scheduler(
+            self.optimizer, self.cfg.optim, total_steps or 0, optimizer_steps_per_trainer_step(self.config)
+        )
 
     def _check_schedule(self) -> None:
         optim = self.cfg.optim
@@ -277,6 +284,8 @@ class Actor(ShardedModel):
                 clip_ratio_low=cfg.clip_ratio_low,
                 clip_ratio_high=cfg.clip_ratio_high,
                 clip_ratio_dual=cfg.clip_ratio_dual,
+                tau_positive=cfg.tau_positive,
+                tau_negative=cfg.tau_negative,
                 **agg,
             )
             loss, kl = pg, torch.zeros((), device=dev)

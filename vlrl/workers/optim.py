@@ -3,7 +3,7 @@
 - `adamw`: torch AdamW (moments in the parameters' dtype).
 - `adamw_bf16`: `AdamWBf16`, AdamW whose two moments are stored in bf16 (half the state memory);
   the update itself is computed in fp32.
-- Schedule: linear warm-up over `lr_warmup_steps` (or `lr_warmup_ratio * total_steps`) from 0 to
+- Schedule: linear warm-up over `lr_warmup_steps` trainer steps (or `lr_warmup_ratio * total_steps`) from 0 to
   `lr`, then constant, or cosine down to `min_lr_ratio * lr` at `total_steps`.
 - `clip_and_step`: the global grad norm (across ranks: FSDP2 grads are DTensors whose norms are
   reduced by `full_tensor()`), clipping to `max_grad_norm`, and a skipped step (grads zeroed, no
@@ -74,16 +74,17 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> t
     raise ValueError(f"unknown optim.strategy {cfg.strategy!r}; valid: {list(STRATEGIES)}")
 
 
-def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
-    """`lr_warmup_steps` when set, else `lr_warmup_ratio * total_steps` (rounded down)."""
+def warmup_steps(cfg: OptimConfig, total_steps: int, per_trainer_step: int = 1) -> int:
+    """Warm-up length in optimizer steps: `lr_warmup_steps` (counted in trainer steps, each
+    `per_trainer_step` optimizer steps) when set, else `lr_warmup_ratio * total_steps` (rounded down)."""
     if cfg.lr_warmup_steps is not None and cfg.lr_warmup_steps >= 0:
-        return int(cfg.lr_warmup_steps)
+        return int(cfg.lr_warmup_steps) * per_trainer_step
     return int(cfg.lr_warmup_ratio * total_steps)
 
 
-def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Multiplier of `lr` at optimizer step `step` (0-based)."""
-    warm = warmup_steps(cfg, total_steps)
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int, per_trainer_step: int = 1) -> float:
+    """Multiplier of `lr` at optimizer step `step` (0-based); `total_steps` counts optimizer steps."""
+    warm = warmup_steps(cfg, total_steps, per_trainer_step)
     if step < warm:
         return (step + 1) / warm
     if cfg.lr_scheduler_type == "constant":
@@ -91,13 +92,17 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     if cfg.lr_scheduler_type == "cosine":
         span = max(total_steps - warm, 1)
         progress = min((step - warm) / span, 1.0)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        floor = cfg.min_lr_ratio or 0.0
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     raise ValueError(f"unknown lr_scheduler_type {cfg.lr_scheduler_type!r}; valid: {list(SCHEDULES)}")
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
-    """A LambdaLR stepping once per optimizer step; `total_steps` counts optimizer steps."""
-    return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, per_trainer_step: int = 1
+) -> LambdaLR:
+    """A LambdaLR stepping once per optimizer step; `total_steps` counts optimizer steps and each
+    trainer step makes `per_trainer_step` of them (for `lr_warmup_steps`)."""
+    return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps, per_trainer_step))
 
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> float:

@@ -68,7 +68,8 @@ class ShardedModel:
         self.padding_free = padding_free
         self.micro_batch_size = micro_batch_size
         self.dynamic_batching = config.worker.actor.dynamic_batching
-        self.max_token_len = config.worker.actor.max_token_len_per_device or 0
+        self.use_torch_compile = config.worker.actor.use_torch_compile
+        self.max_token_len = config.worker.actor.max_token_len_per_device  # None: EasyR1's rule, per batch
         self.sp_size = config.worker.actor.ulysses_size
         self.dp_size = self.world_size // self.sp_size  # groups that see different rows
         self.module = self._build(model_path, model_cfg, fsdp_cfg, trainable)
@@ -130,8 +131,10 @@ class ShardedModel:
     def _build(
         self, path: str, model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, trainable: bool
     ) -> torch.nn.Module:
-        """Rank 0 reads the weights; other ranks build on meta and receive them after sharding."""
-        on_meta = self.world_size > 1 and self.rank != 0
+        """Rank 0 reads the weights; other ranks build on meta and receive them after sharding
+        (`fsdp.enable_rank0_init`; without it every rank reads the weights itself)."""
+        rank0_init = fsdp_cfg.enable_rank0_init and self.world_size > 1
+        on_meta = rank0_init and self.rank != 0
         model = load_model(
             path,
             dtype=master_dtype(fsdp_cfg),
@@ -144,9 +147,9 @@ class ShardedModel:
         )
         if not trainable:
             model.requires_grad_(False)
-        full = model.state_dict() if self.world_size > 1 and self.rank == 0 else None
+        full = model.state_dict() if rank0_init and self.rank == 0 else None
         apply_fsdp(model, self.device, fsdp_cfg)
-        if self.world_size > 1:
+        if rank0_init:
             if on_meta:
                 model.to_empty(device=self.device)
             broadcast_weights_from_rank0(model, full)
@@ -179,12 +182,20 @@ class ShardedModel:
                 batch.attention_mask.sum(-1).tolist() if self.padding_free else [batch.input_ids.shape[1]] * n
             )
             # the budget is per device: a group of sp ranks holds sp times as many tokens
-            count = count_micro_batches(lengths, self.max_token_len * self.sp_size)
+            count = count_micro_batches(lengths, self.token_budget(batch, micro_batch_size) * self.sp_size)
             count = int(self._all_reduce([count], dist.ReduceOp.MAX)[0])
             return micro_batches_by_tokens(lengths, count)
         parts = [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
         count = int(self._all_reduce([len(parts)], dist.ReduceOp.MAX)[0])
         return parts + [[] for _ in range(count - len(parts))]
+
+    def token_budget(self, batch: RolloutBatch, micro_batch_size: int) -> int:
+        """Tokens per dynamic micro-batch: `max_token_len_per_device`, or (when unset) the
+        micro-batch size times the batch's padded sequence width, agreed over ranks (the widest)."""
+        if self.max_token_len is not None:
+            return self.max_token_len
+        width = int(self._all_reduce([float(batch.input_ids.shape[1])], dist.ReduceOp.MAX)[0])
+        return micro_batch_size * max(width, 1)
 
     # ---------------------------------------------------------------------------- forward
     def forward_micro_batch(
@@ -225,7 +236,14 @@ class ShardedModel:
             )
         else:
             inputs = build_padded_inputs(*args, **kwargs)
-        return forward_log_probs(self.module, inputs, self.sampling(temperature), with_entropy, entropy_grad)
+        return forward_log_probs(
+            self.module,
+            inputs,
+            self.sampling(temperature),
+            with_entropy,
+            entropy_grad,
+            self.use_torch_compile,
+        )
 
     @torch.no_grad()
     def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
@@ -245,9 +263,10 @@ class ShardedModel:
 class Reference(ShardedModel):
     """The frozen reference policy: same loading and sharding as the actor, no optimizer.
 
-    With `worker.ref.offload_params` (GPU only) its shards live on CPU and move to the GPU only for
-    `compute_log_probs`. On GPU its weights are stored in bf16 (the actor's compute dtype); on CPU
-    in the actor's dtype, so an untouched actor and its reference agree exactly.
+    Sharded by `worker.ref.fsdp` (its own settings). With `worker.ref.offload.offload_params` (GPU only) its shards live on CPU and move to the GPU only for
+    `compute_log_probs`. On GPU its weights are stored in bf16 (the actor's compute dtype) unless
+    `worker.ref.fsdp.torch_dtype` is set; on CPU in `torch_dtype` (default fp32, the actor's default),
+    so an untouched actor and its reference agree exactly.
     """
 
     def __init__(
@@ -260,9 +279,10 @@ class Reference(ShardedModel):
         vision_cache: VisionCache | None = None,
     ) -> None:
         ref, actor = config.worker.ref, config.worker.actor
-        fsdp_cfg = actor.fsdp
-        if torch.device(device).type == "cuda":  # no optimizer to feed: keep bf16 weights (half the memory)
-            fsdp_cfg = replace(actor.fsdp, torch_dtype="bfloat16")
+        fsdp_cfg = ref.fsdp
+        if torch.device(device).type == "cuda" and fsdp_cfg.torch_dtype is None:
+            # no optimizer to feed: keep bf16 weights (half the memory)
+            fsdp_cfg = replace(ref.fsdp, torch_dtype="bfloat16")
         super().__init__(
             config,
             model_path,
@@ -270,13 +290,15 @@ class Reference(ShardedModel):
             device,
             model_cfg=actor.model,
             fsdp_cfg=fsdp_cfg,
-            padding_free=ref.padding_free,
-            micro_batch_size=ref.micro_batch_size_per_device_for_experience,
+            padding_free=bool(ref.padding_free),
+            micro_batch_size=ref.micro_batch_size_per_device_for_experience or 1,
             trainable=False,
             vision_cache=vision_cache,
         )
         # with FSDP's CPU offload the shards already stay on CPU and FSDP moves them in itself
-        self.offload = ref.offload_params and self.device.type == "cuda" and not fsdp_cfg.enable_cpu_offload
+        self.offload = (
+            ref.offload.offload_params and self.device.type == "cuda" and not fsdp_cfg.enable_cpu_offload
+        )
         if self.offload:
             move_params(self.module, "cpu")
 

@@ -36,7 +36,7 @@ def worker_config(ctx: Context, model_dir: str):
             "worker.rollout.n": 2,
             "worker.rollout.dtype": "bf16" if ctx.cuda else "fp32",
             "worker.rollout.sync_bucket_mb": 4,
-            "worker.ref.offload_params": True,
+            "worker.ref.offload.offload_params": True,
             "worker.actor.offload.offload_optimizer": True,
             "worker.actor.global_batch_size": prompts // 2,  # two optimizer steps per update
             "worker.actor.micro_batch_size_per_device_for_update": 2,
