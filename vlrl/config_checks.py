@@ -218,7 +218,9 @@ def _check_multi_turn(config: PPOConfig) -> list[str]:
     if mt.format != "hermes":
         errors.append(f"{key}.format={mt.format!r} is unknown; the supported format is hermes")
     if not mt.tools and not mt.interaction:
-        errors.append(f"{key}.enable=true needs {key}.tools (path/to/file.py:function, ...) or an interaction")
+        errors.append(
+            f"{key}.enable=true needs {key}.tools (path/to/file.py:function, ...) or an interaction"
+        )
     for spec in [*mt.tools, *([mt.interaction] if mt.interaction else [])]:
         if not isinstance(spec, str) or not os.path.isfile(_spec_file(spec)):
             errors.append(f"{key}: tool/interaction file of {spec!r} does not exist")

@@ -10,6 +10,7 @@ Messages, parent -> worker: ("call", job_id, name, arguments, context)
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 from collections.abc import Callable
@@ -73,8 +74,12 @@ def call_interaction(
     fn: Callable[..., Any], messages: list[dict[str, Any]], context: dict[str, Any]
 ) -> str | None:
     """The interaction's reply as the user, or None to end the episode (also when it fails)."""
+    params = inspect.signature(fn).parameters.values()
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    names = {p.name for p in params}
+    kwargs = {k: v for k, v in (context or {}).items() if takes_all or k in names}
     try:
-        reply = fn(messages, **(context or {}))
+        reply = fn(messages, **kwargs)
     except Exception:
         return None
     return reply if isinstance(reply, str) and reply else None
