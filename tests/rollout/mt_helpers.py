@@ -14,9 +14,9 @@ TOOLS = str(Path(__file__).with_name("mt_tools.py"))
 
 # prompt row -> (the call the model is taught to make, the tool's answer it sees, its final answer)
 CUES = [
-    ({"problem": "<image> show", "answer": "red", "images": [image(0)]},
+    ({"problem": "show", "answer": "red", "images": []},
      '{"name": "show", "arguments": {"colour": "red"}}', ("here is red", [Image.new("RGB", (56, 56), "red")]), "red"),
-    ({"problem": "1 + 2 =", "answer": "3", "images": []},
+    ({"problem": "<image> 1 + 2 =", "answer": "3", "images": [image(0)]},
      '{"name": "add", "arguments": {"a": 1, "b": 2}}', ("3", []), "3"),
     ({"problem": "hang", "answer": "no", "images": []},
      '{"name": "hang", "arguments": {}}', ("error: hang timed out after 1s", []), "no"),

@@ -113,21 +113,27 @@ class StatefulPromptLoader:
 
 
 def create_dataloaders(
-    config: Any, tokenizer: Any, processor: Any | None, hf_config: Any | None = None
+    config: Any,
+    tokenizer: Any,
+    processor: Any | None,
+    hf_config: Any | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[StatefulPromptLoader, StatefulPromptLoader | None]:
     """(train loader, validation loader or None) from a `DataConfig`.
+
+    `tools`: function schemas the chat template shows the model (multi-turn rollouts).
 
     Training: shuffled by `data.seed`, `data.rollout_batch_size` prompts, drop_last. Validation:
     file order, `data.val_batch_size` prompts (-1: all), nothing dropped.
     """
     from vlrl.data.dataset import RLDataset
 
-    train_set = RLDataset(config.train_files, config, tokenizer, processor, hf_config=hf_config)
+    train_set = RLDataset(config.train_files, config, tokenizer, processor, hf_config=hf_config, tools=tools)
     train = StatefulPromptLoader(
         train_set, config.rollout_batch_size, shuffle=config.shuffle, seed=config.seed, drop_last=True
     )
     if not config.val_files:
         return train, None
-    val_set = RLDataset(config.val_files, config, tokenizer, processor, hf_config=hf_config)
+    val_set = RLDataset(config.val_files, config, tokenizer, processor, hf_config=hf_config, tools=tools)
     val = StatefulPromptLoader(val_set, config.val_batch_size, shuffle=False, drop_last=False)
     return train, val

@@ -281,9 +281,8 @@ class VLLMRolloutEngine(RolloutEngine):
         # An empty cache makes a call's scheduling, hence its sampling, a function of its inputs only.
         self.llm.reset_prefix_cache()
         if self.multi_turn is not None:
-            return self.multi_turn.run(
-                prompts, s.n, lambda reqs, budgets, turn: self._turn(reqs, budgets, turn, s)
-            )
+            turn_fn = lambda reqs, budgets, turn: self._turn(reqs, budgets, turn, s)  # noqa: E731
+            return self.multi_turn.run(prompts, s.n, turn_fn, s.max_tokens)
         outputs = self._generate(self.requests(prompts), s)
         # vLLM refuses n > 1 with greedy sampling: ask for one and repeat it (the copies are equal).
         copies = s.n if s.greedy else 1

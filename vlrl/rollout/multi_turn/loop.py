@@ -67,6 +67,8 @@ class MultiTurnRollout:
             mt_config.tool_timeout, mt_config.max_tool_images,
         )  # fmt: skip
 
+    _limit: int = 0  # the current call's response budget
+
     @property
     def stop_token_ids(self) -> list[int]:
         return [*self.eos_token_ids, self.call_end_id]
@@ -75,8 +77,12 @@ class MultiTurnRollout:
         self.pool.close()
 
     # ------------------------------------------------------------------ the loop
-    def run(self, prompts: PromptBatch, n: int, generate_turn: GenerateTurn) -> RolloutBatch:
-        """n trajectories per prompt (a prompt's samples adjacent)."""
+    def run(
+        self, prompts: PromptBatch, n: int, generate_turn: GenerateTurn, max_tokens: int | None = None
+    ) -> RolloutBatch:
+        """n trajectories per prompt (a prompt's samples adjacent); `max_tokens` (default
+        data.max_response_length) bounds each whole response, tool and user turns included."""
+        max_response_length = self._limit = max_tokens or self.max_response_length
         trajectories = [
             Trajectory(
                 prompt_row=i // n,
@@ -92,12 +98,12 @@ class MultiTurnRollout:
         while True:
             active = [t for t in trajectories if not t.done]
             for t in active:
-                if t.budget(self.max_response_length, self.max_model_len) < 1:
+                if t.budget(max_response_length, self.max_model_len) < 1:
                     t.stop_reason = "overflow"
             active = [t for t in active if not t.done]
             if not active:
                 break
-            budgets = [t.budget(self.max_response_length, self.max_model_len) for t in active]
+            budgets = [t.budget(max_response_length, self.max_model_len) for t in active]
             outputs = generate_turn([(t.context_ids, t.images) for t in active], budgets, turn)
             calls: list[tuple[Trajectory, ToolCall | Any]] = []
             finished: list[Trajectory] = []
@@ -160,7 +166,7 @@ class MultiTurnRollout:
     def _append(self, t: Trajectory, text: str, images: list[Any]) -> None:
         """Append a rendered turn, or end the trajectory (overflow) when it and one more token do not fit."""
         raw, expanded, images = self.encoder.encode(text, images)
-        if t.budget(self.max_response_length, self.max_model_len) < len(expanded) + 1:
+        if t.budget(self._limit, self.max_model_len) < len(expanded) + 1:
             t.stop_reason = "overflow"
             return
         t.add_context(raw, expanded, images)
