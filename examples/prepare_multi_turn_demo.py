@@ -15,6 +15,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
 from vlrl.data.prompts import ChatFormatter, FormatPrompt
@@ -30,16 +31,16 @@ PIXELS = 12544  # 112 x 112: 16 image tokens
 
 def grey_copy(path: Path) -> Path:
     """The image with every non-background pixel painted one grey."""
-    image = Image.open(path).convert("RGB")
-    image.putdata([p if p == BACKGROUND else GREY for p in image.getdata()])
+    pixels = np.array(Image.open(path).convert("RGB"))  # [H, W, 3]
+    pixels[(pixels != np.array(BACKGROUND)).any(-1)] = GREY
     out = path.with_name("grey_" + path.name)
-    image.save(out)
+    Image.fromarray(pixels).save(out)
     return out
 
 
-def build_data(out: Path) -> None:
+def build_data(out: Path, n_train: int = 512, n_val: int = 64) -> None:
     colour_dir = out / "data"
-    make_shapes_dataset(colour_dir, n_train=512, n_val=64, seed=0, task="colour", image_size=112)
+    make_shapes_dataset(colour_dir, n_train=n_train, n_val=n_val, seed=0, task="colour", image_size=112)
     for split in ("train", "val"):
         rows = [json.loads(line) for line in (colour_dir / f"{split}.jsonl").read_text().splitlines()]
         with open(colour_dir / f"{split}_mt.jsonl", "w", encoding="utf-8") as f:
@@ -47,7 +48,7 @@ def build_data(out: Path) -> None:
                 colour_path = (colour_dir / row["images"][0]).resolve()
                 grey = grey_copy(colour_path)
                 context = {"reveal": {"image_path": str(colour_path), "colour": row["answer"]}}
-                f.write(json.dumps({**row, "images": [str(grey.relative_to(colour_dir))],
+                f.write(json.dumps({**row, "images": [str(grey.relative_to(colour_dir.resolve()))],
                                     "tools_kwargs": context}) + "\n")  # fmt: skip
 
 

@@ -99,3 +99,21 @@ def test_estimators_skip_mask_holes(estimator):
     dense, _ = compute_advantages(estimator, dense_rewards, dense_mask, groups, **kwargs)
     for i in range(4):
         torch.testing.assert_close(adv[i][mask[i] == 1], dense[i][dense_mask[i] == 1])
+
+
+def test_multi_turn_metrics():
+    from vlrl.trainer.metrics import multi_turn_metrics
+
+    def info(turns, calls, errors=0, timeouts=0, stop="eos"):
+        return {"num_turns": turns, "num_tool_calls": calls, "num_user_turns": 0, "tool_errors": errors,
+                "tool_timeouts": timeouts, "tool_truncated": 0, "stop_reason": stop}  # fmt: skip
+
+    out = multi_turn_metrics(
+        [info(2, 1), info(1, 0), info(2, 1, 1, 1, "overflow"), info(3, 2, stop="turn_limit")], "mt"
+    )
+    assert (
+        out["mt/turns_mean"] == 2.0 and out["mt/tool_calls_mean"] == 1.0 and out["mt/tool_call_rate"] == 0.75
+    )
+    assert out["mt/tool_errors"] == 1 and out["mt/tool_timeouts"] == 1
+    assert out["mt/stop_overflow"] == 1 and out["mt/stop_turn_limit"] == 1 and out["mt/stop_length"] == 0
+    assert multi_turn_metrics([], "mt") == {}
