@@ -39,7 +39,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     model_dir = str(DEMO / "model")
-    data = DataConfig(max_prompt_length=128, max_response_length=48, min_pixels=12544, max_pixels=12544,
+    data = DataConfig(max_prompt_length=128, max_response_length=64, min_pixels=12544, max_pixels=12544,
                       format_prompt="format_prompts/shapes.jinja")  # fmt: skip
     tokenizer, processor = load_processor(model_dir)
     preparer = RowPreparer(data, tokenizer, processor, AutoConfig.from_pretrained(model_dir))

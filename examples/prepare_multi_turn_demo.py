@@ -52,7 +52,7 @@ def build_data(out: Path, n_train: int = 512, n_val: int = 64) -> None:
                                     "tools_kwargs": context}) + "\n")  # fmt: skip
 
 
-def warm_up(model_dir: Path, train_file: Path, steps: int) -> dict[str, float]:
+def warm_up(model_dir: Path, train_file: Path, steps: int, batch_size: int = 16) -> dict[str, float]:
     from vlrl.models.processor import load_processor
     from vlrl.rollout.multi_turn.rendering import TurnRenderer
 
@@ -74,7 +74,7 @@ def warm_up(model_dir: Path, train_file: Path, steps: int) -> dict[str, float]:
         tool = Segment(renderer.tool_turn(context["colour"], 1), images=[Image.open(context["image_path"])])
         return [prompt, Segment(CALL, trained=True), tool, answer]
 
-    return fit_segments(model_dir, example, steps=steps, batch_size=16, lr=1e-3)
+    return fit_segments(model_dir, example, steps=steps, batch_size=batch_size, lr=1e-3)
 
 
 def main() -> None:
