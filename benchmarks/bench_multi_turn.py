@@ -73,7 +73,7 @@ def main() -> None:
 
     pool.call = timed_call
     best_mt = best_st = float("inf")
-    tokens = calls = 0
+    tokens = calls = errors = 0
     share = 0.0
     for r in range(args.repeats):
         tool_seconds[0] = 0.0
@@ -84,6 +84,7 @@ def main() -> None:
             best_mt, share = wall, tool_seconds[0] / wall
             tokens = int(batch.response_mask.sum())
             calls = sum(t["num_tool_calls"] for t in batch.trajectories)
+            errors = sum(t["tool_errors"] for t in batch.trajectories)
         # the same engine without the tool loop: one generation of the same sampled-token count
         multi.multi_turn, saved = None, multi.multi_turn
         per_sample = max(1, round(tokens / len(batch)))
@@ -91,13 +92,13 @@ def main() -> None:
         single = multi.generate(prompts, {"seed": r, "ignore_eos": True, "max_tokens": per_sample})
         best_st = min(best_st, time.perf_counter() - start)
         multi.multi_turn = saved
-    single_tokens = int(single.response_mask.sum())
+    # ignore_eos: every single-turn sample ran to max_tokens (its mask would stop at a sampled EOS)
+    single_tokens = len(single) * int(single.responses.shape[1])
     mt_rate, st_rate = tokens / best_mt, single_tokens / best_st
+    print(f"trajectories: {len(batch)}  tool calls: {calls} ({errors} malformed or failed)  "
+          f"sampled tokens: multi {tokens}, single {single_tokens}")  # fmt: skip
     print(
-        f"trajectories: {len(batch)}  tool calls: {calls}  sampled tokens: multi {tokens}, single {single_tokens}"
-    )
-    print(
-        f"multi-turn : {best_mt:.2f} s  {mt_rate:,.0f} sampled tokens/s  (tools: {100 * share:.1f}% of the time)"
+        f"multi-turn : {best_mt:.2f} s  {mt_rate:,.0f} sampled tokens/s  (tools: {100 * share:.2f}% of the time)"
     )
     print(f"single-turn: {best_st:.2f} s  {st_rate:,.0f} sampled tokens/s")
     print(f"ratio multi/single: {mt_rate / st_rate:.2f}x")

@@ -95,7 +95,7 @@ def fit_segments(
             all_images += imgs
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask}
         kwargs["position_ids"] = positions.transpose(0, 1) if spec else positions
-        if all_images:
+        if all_images and processor is not None:
             pixels = processor.image_processor(images=all_images, do_resize=False, return_tensors="pt")
             kwargs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
         logits = model(**kwargs).logits[:, :-1]

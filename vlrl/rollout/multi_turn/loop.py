@@ -134,6 +134,10 @@ class MultiTurnRollout:
         results = dict(zip([id(t) for t, _ in parsed], outputs))
         for t, call in calls:
             out = results.get(id(t)) or ToolOutput(call.message, error=True)
+            if out.images and self.encoder.spec is None:
+                out = ToolOutput(
+                    "error: the tool returned an image but this model reads text only", error=True
+                )
             name = call.name if isinstance(call, ToolCall) else None
             args = call.arguments if isinstance(call, ToolCall) else None
             text, cut = self.renderer.truncate(out.text)

@@ -81,12 +81,12 @@ class TurnEncoder:
 
     def encode(self, text: str, images: list[Any]) -> tuple[list[int], list[int], list[Any]]:
         """(unexpanded ids for the engine, expanded ids for training, resized images) of one turn."""
-        if images and self.spec is None:
+        raw = self.tokenizer.encode(text, add_special_tokens=False)
+        if not images:
+            return raw, raw, []
+        if self.spec is None:
             raise ValueError("a tool returned an image but the model is text-only")
         resized = [resize_image(img, *self.preparer.target_size(img.height, img.width)) for img in images]
-        raw = self.tokenizer.encode(text, add_special_tokens=False)
-        if not resized:
-            return raw, raw, []
         counts = self.preparer.tokens_per_image([(img.height, img.width) for img in resized])
         return raw, expand_image_tokens(raw, self.spec.image_token_id, counts), resized
 
