@@ -327,6 +327,34 @@ class CriticConfig(_Section):
 
 
 @dataclass
+class MultiTurnConfig(_Section):
+    enable: bool = False
+    """Multi-turn rollouts: the model may call tools (and an interaction may answer as the user)
+    before its final answer; see docs/multi_turn.md. Off: single-turn generation, unchanged."""
+    max_assistant_turns: int = 4
+    """Most assistant turns per trajectory (each turn ends at a tool call or at EOS)."""
+    max_user_turns: int = 2
+    """Most interaction (user) replies per trajectory."""
+    tools: list[str] = field(default_factory=list)
+    """Tool functions, `path/to/file.py:function` each; the schema comes from the signature and docstring."""
+    interaction: str | None = None
+    """`path/to/file.py:function` called after each final assistant turn; may reply as the user or end."""
+    max_tool_response_tokens: int = 256
+    """Text tokens of one tool response kept (longer text is cut, counted as `multi_turn/tool_truncated`)."""
+    tool_timeout: float = 30.0
+    """Seconds one tool call may take; a hung tool is killed and the model is told it timed out."""
+    tool_workers: int = 4
+    """Tool worker processes per rank (tools run isolated, in parallel)."""
+    max_tool_images: int = 1
+    """Most images one tool call may return (also sizes the engine's images per request)."""
+    format: str = "hermes"
+    """Tool-call format: hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`)."""
+    tools_kwargs_key: str = "tools_kwargs"
+    """Dataset column with per-row tool context: {tool name: {keyword: value}}, passed to the tool's
+    keyword-only parameters (hidden from the model)."""
+
+
+@dataclass
 class RolloutConfig(_Section):
     name: str = "vllm"
     """Rollout engine: vllm (SPMD, one engine per rank) or hf (transformers generate; slow, for debugging)."""
@@ -379,6 +407,8 @@ class RolloutConfig(_Section):
     val_override_config: dict[str, Any] = field(default_factory=dict)
     """Sampling overrides for validation (keys: n, temperature, top_p, top_k, seed, ignore_eos);
     empty: validation samples as training does."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn, tool-using rollouts (off by default)."""
 
 
 @dataclass

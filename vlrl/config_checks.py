@@ -28,6 +28,7 @@ def check_config(config: PPOConfig) -> list[str]:
         _check_algorithm,
         _check_rollout,
         _check_reward,
+        _check_multi_turn,
         _check_trainer,
         _check_paths,
     ):
@@ -263,6 +264,41 @@ def _check_reward(config: PPOConfig) -> list[str]:
             errors.append(
                 "worker.reward.memory_limit_mb caps worker processes: set worker.reward.num_workers >= 1"
             )
+    return errors
+
+
+def _spec_file(spec: str) -> str:
+    """The file part of `path/to/file.py:function`."""
+    return spec.rsplit(":", 1)[0] if ":" in spec else spec
+
+
+def _check_multi_turn(config: PPOConfig) -> list[str]:
+    mt, key = config.worker.rollout.multi_turn, "worker.rollout.multi_turn"
+    if not mt.enable:
+        return []
+    errors = []
+    for name, value, low in (
+        ("max_assistant_turns", mt.max_assistant_turns, 1),
+        ("max_user_turns", mt.max_user_turns, 0),
+        ("max_tool_response_tokens", mt.max_tool_response_tokens, 1),
+        ("tool_workers", mt.tool_workers, 1),
+        ("max_tool_images", mt.max_tool_images, 0),
+    ):
+        if value < low:
+            errors.append(f"{key}.{name}={value} must be >= {low}")
+    if mt.tool_timeout <= 0:
+        errors.append(f"{key}.tool_timeout={mt.tool_timeout} must be > 0")
+    if mt.format != "hermes":
+        errors.append(f"{key}.format={mt.format!r} is unknown; the supported format is hermes")
+    if not mt.tools and not mt.interaction:
+        errors.append(
+            f"{key}.enable=true needs {key}.tools (path/to/file.py:function, ...) or an interaction"
+        )
+    for spec in [*mt.tools, *([mt.interaction] if mt.interaction else [])]:
+        if not isinstance(spec, str) or not os.path.isfile(_spec_file(spec)):
+            errors.append(f"{key}: tool/interaction file of {spec!r} does not exist")
+    if config.worker.rollout.name != "vllm":
+        errors.append(f"{key}.enable=true runs on the vLLM engine only: set worker.rollout.name=vllm")
     return errors
 
 

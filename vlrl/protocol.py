@@ -116,6 +116,9 @@ class RolloutBatch(SampleBatch):
     ground_truths: list[Any]
     extras: list[dict[str, Any]]
     rollout_log_probs: torch.Tensor | None = None  # [N, R] engine's log-probs of the sampled tokens
+    # Multi-turn rollouts: per sample, the turns, tool calls and counters (vlrl.rollout.multi_turn);
+    # response_mask is then 1 on sampled tokens only, attention_mask on every trajectory token.
+    trajectories: list[dict[str, Any]] | None = None
     # Filled by later stages of the step:
     token_level_scores: torch.Tensor | None = None  # [N, R] reward on the last response token
     token_level_rewards: torch.Tensor | None = None  # [N, R] scores minus the KL penalty (if in reward)

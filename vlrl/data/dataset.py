@@ -58,12 +58,13 @@ class RLDataset(torch.utils.data.Dataset):
         *,
         hf_config: Any | None = None,
         use_processor: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.processor = processor
         self.use_processor = use_processor
-        self.prep = RowPreparer(config, tokenizer, processor, hf_config)
+        self.prep = RowPreparer(config, tokenizer, processor, hf_config, tools=tools)
         self.sources: list[Source] = load_sources(files, config.image_dir, config.image_key)
         self.num_rows = sum(len(s.dataset) for s in self.sources)
         self.num_filtered_overlong = 0

@@ -113,9 +113,15 @@ class StatefulPromptLoader:
 
 
 def create_dataloaders(
-    config: Any, tokenizer: Any, processor: Any | None, hf_config: Any | None = None
+    config: Any,
+    tokenizer: Any,
+    processor: Any | None,
+    hf_config: Any | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[StatefulPromptLoader, StatefulPromptLoader | None]:
     """(train loader, validation loader or None) from a `DataConfig`.
+
+    `tools`: function schemas the chat template shows the model (multi-turn rollouts).
 
     Training: shuffled by `data.seed`, batches of `data.mini_rollout_batch_size` prompts (when set;
     the trainer draws batches until a step is full) or `data.rollout_batch_size`, drop_last. Validation:
@@ -123,7 +129,7 @@ def create_dataloaders(
     """
     from vlrl.data.dataset import RLDataset
 
-    train_set = RLDataset(config.train_files, config, tokenizer, processor, hf_config=hf_config)
+    train_set = RLDataset(config.train_files, config, tokenizer, processor, hf_config=hf_config, tools=tools)
     train = StatefulPromptLoader(
         train_set,
         config.mini_rollout_batch_size or config.rollout_batch_size,
@@ -133,6 +139,6 @@ def create_dataloaders(
     )
     if not config.val_files:
         return train, None
-    val_set = RLDataset(config.val_files, config, tokenizer, processor, hf_config=hf_config)
+    val_set = RLDataset(config.val_files, config, tokenizer, processor, hf_config=hf_config, tools=tools)
     val = StatefulPromptLoader(val_set, config.val_batch_size, shuffle=False, drop_last=False)
     return train, val

@@ -50,13 +50,18 @@ class RowPreparer:
     """Everything needed to turn rows into prompts: keys, templates, tokenizer, processor, pixel bounds."""
 
     def __init__(
-        self, config: Any, tokenizer: Any, processor: Any | None, hf_config: Any | None = None
+        self,
+        config: Any,
+        tokenizer: Any,
+        processor: Any | None,
+        hf_config: Any | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.processor = processor
         self.format = FormatPrompt(config.format_prompt) if config.format_prompt else None
-        self.chat = ChatFormatter(tokenizer, processor, config.override_chat_template)
+        self.chat = ChatFormatter(tokenizer, processor, config.override_chat_template, tools)
         self.spec: VisionSpec | None = vision_spec(processor, hf_config) if processor is not None else None
         self.min_pixels, self.max_pixels = self._pixel_bounds(config)
         # the processor's own bounds: its resize runs after the data bounds' rescale

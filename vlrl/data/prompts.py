@@ -89,8 +89,15 @@ def user_message(text: str, multimodal: bool) -> list[dict[str, Any]]:
 class ChatFormatter:
     """Applies the chat template: `data.override_chat_template`, else the processor's, else the tokenizer's."""
 
-    def __init__(self, tokenizer: Any, processor: Any | None, override: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        processor: Any | None,
+        override: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.tools = tools or None  # function schemas for the template's tools section (multi-turn)
         template = resolve_chat_template(override)
         if template is None and processor is not None:
             template = getattr(processor, "chat_template", None)
@@ -106,6 +113,7 @@ class ChatFormatter:
             chat_template=self.template,
             add_generation_prompt=True,
             tokenize=False,
+            **({"tools": self.tools} if self.tools else {}),
         )
 
 

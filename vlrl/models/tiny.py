@@ -90,8 +90,13 @@ def _corpus() -> list[str]:
     return lines * 4
 
 
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE trained on `_corpus()`, with the Qwen special tokens appended."""
+# Qwen2.5/3's tool-call markers, added (not special: they survive decoding) with `tool_tokens=True`.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+
+
+def build_tokenizer(vocab_size: int, tool_tokens: bool = False):
+    """A byte-level BPE trained on `_corpus()`, with the Qwen special tokens appended (then, with
+    `tool_tokens`, the tool-call markers as two more tokens: the trained vocabulary is unchanged)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -105,6 +110,8 @@ def build_tokenizer(vocab_size: int):
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    if tool_tokens:
+        tok.add_tokens(list(TOOL_TOKENS))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -207,8 +214,11 @@ def build_tiny_model(
     seed: int = 0,
     min_pixels: int = 28 * 28 * 4,
     max_pixels: int = 28 * 28 * 64,
+    tool_tokens: bool = False,
 ) -> Path:
-    """Write a loadable model folder for `arch` into `out_dir` and return its path."""
+    """Write a loadable model folder for `arch` into `out_dir` and return its path.
+
+    `tool_tokens`: add `<tool_call>` / `</tool_call>` as single tokens (multi-turn rollouts)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
     if arch not in ARCHS:
@@ -218,7 +228,7 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dims = SIZES[size]
-    tokenizer = build_tokenizer(dims.vocab)
+    tokenizer = build_tokenizer(dims.vocab, tool_tokens)
     ids = _token_ids(tokenizer)
     config = build_config(arch, dims, len(tokenizer), ids)
     torch.manual_seed(seed)
@@ -234,7 +244,8 @@ def build_tiny_model(
         build_processor(arch, tokenizer, min_pixels, max_pixels).save_pretrained(out)
     else:
         tokenizer.save_pretrained(out)
-    (out / "vlrl_tiny.json").write_text(json.dumps({"arch": arch, "size": size, "seed": seed}))
+    info = {"arch": arch, "size": size, "seed": seed, **({"tool_tokens": True} if tool_tokens else {})}
+    (out / "vlrl_tiny.json").write_text(json.dumps(info))
     return out
 
 

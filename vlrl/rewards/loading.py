@@ -62,10 +62,10 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return spec, DEFAULT_FUNCTION
 
 
-def _import_file(path: str) -> ModuleType:
+def _import_file(path: str, kind: str = "reward") -> ModuleType:
     """Execute the file as a new module; import errors become a `RewardLoadError` naming the file."""
     stem = "".join(c if c.isalnum() else "_" for c in os.path.splitext(os.path.basename(path))[0])
-    module_name = f"vlrl_reward_{stem}_{os.getpid()}_{next(_counter)}"
+    module_name = f"vlrl_{kind}_{stem}_{os.getpid()}_{next(_counter)}"
     loader = importlib.machinery.SourceFileLoader(module_name, path)
     module_spec = importlib.util.spec_from_file_location(module_name, path, loader=loader)
     assert module_spec is not None
@@ -78,7 +78,7 @@ def _import_file(path: str) -> ModuleType:
         del sys.modules[module_name]
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise RewardLoadError(f"reward file {path} failed to import:\n{_describe_import_error(exc)}") from exc
+        raise RewardLoadError(f"{kind} file {path} failed to import:\n{_describe_import_error(exc)}") from exc
     return module
 
 
@@ -113,7 +113,7 @@ def _resolve_type(module: ModuleType, path: str, requested: str | None) -> str:
     return declared
 
 
-def resolve_spec(spec: str) -> tuple[str, str]:
+def resolve_spec(spec: str, kind: str = "reward") -> tuple[str, str]:
     """(absolute file path, function name) for a spec, checking only that the file exists."""
     if not spec or not isinstance(spec, str):
         raise RewardLoadError(
@@ -122,8 +122,26 @@ def resolve_spec(spec: str) -> tuple[str, str]:
     path, name = parse_spec(spec)
     abspath = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(abspath):
-        raise RewardLoadError(f"reward file not found: {path!r} (resolved to {abspath}; spec {spec!r})")
+        raise RewardLoadError(f"{kind} file not found: {path!r} (resolved to {abspath}; spec {spec!r})")
     return abspath, name
+
+
+def load_function(spec: str, kind: str = "reward") -> tuple[Callable[..., Any], str, str, ModuleType]:
+    """(function, absolute path, function name, module) of `path/to/file.py:fn` (default `main`).
+
+    `kind` names the file in messages ("reward", "tool", ...). Raises `RewardLoadError` naming the
+    file and function when the file is missing, fails to import, lacks the function, or the
+    attribute is not callable.
+    """
+    abspath, name = resolve_spec(spec, kind)
+    module = _import_file(abspath, kind)
+    if not hasattr(module, name):
+        found = ", ".join(_callables_in(module)) or "none"
+        raise RewardLoadError(f"function {name!r} not found in {abspath}; callables defined there: {found}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise RewardLoadError(f"{abspath}:{name} is a {type(fn).__name__}, not a function")
+    return fn, abspath, name, module
 
 
 def load_reward_function(spec: str, reward_type: str | None = None) -> LoadedReward:
@@ -132,14 +150,7 @@ def load_reward_function(spec: str, reward_type: str | None = None) -> LoadedRew
     Raises `RewardLoadError` naming the file and function when the file is missing, fails to import,
     lacks the function, or the attribute is not callable.
     """
-    abspath, name = resolve_spec(spec)
-    module = _import_file(abspath)
-    if not hasattr(module, name):
-        found = ", ".join(_callables_in(module)) or "none"
-        raise RewardLoadError(f"function {name!r} not found in {abspath}; callables defined there: {found}")
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise RewardLoadError(f"{abspath}:{name} is a {type(fn).__name__}, not a function")
+    fn, abspath, name, module = load_function(spec)
     return LoadedReward(fn, abspath, name, _resolve_type(module, abspath, reward_type), spec)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
+from collections.abc import Callable
 from typing import Any
 
 from vlrl.rewards.memory import memory_kib
@@ -18,10 +19,26 @@ STARTUP_TIMEOUT = 120.0
 class WorkerProcess:
     """One worker process, its pipe, and the job it is running."""
 
-    def __init__(self, ctx: Any, config: Any, kwargs: dict[str, Any], slot: int) -> None:
+    def __init__(
+        self,
+        ctx: Any,
+        config: Any,
+        kwargs: dict[str, Any],
+        slot: int,
+        target: Callable[..., None] | None = None,
+        args: tuple[Any, ...] | None = None,
+        kind: str = "reward",
+    ) -> None:
+        """A reward worker for `config`; or, with `target` and `args`, any worker served the same
+        way (`target(conn, *args)`, answering `ready`/`load_error` first; tools use this)."""
         self.conn, child = ctx.Pipe()
-        args = (child, config.reward_function, config.reward_type, kwargs, config.memory_limit_mb)
-        self.process = ctx.Process(target=worker_main, args=args, daemon=True, name=f"vlrl-reward-{slot}")
+        if target is None:
+            target = worker_main
+            args = (config.reward_function, config.reward_type, kwargs, config.memory_limit_mb)
+        self.kind = kind
+        self.process = ctx.Process(
+            target=target, args=(child, *(args or ())), daemon=True, name=f"vlrl-{kind}-{slot}"
+        )
         self.process.start()
         child.close()  # so a dead worker shows up as EOF on our end
         self.job: Any = None  # the runner's job in flight
@@ -38,12 +55,12 @@ class WorkerProcess:
         """Block until the worker has loaded the reward function; returns its `ready` info."""
         if not self.conn.poll(timeout):
             self.kill()
-            raise RewardLoadError(f"reward worker did not start within {timeout:g}s")
+            raise RewardLoadError(f"{self.kind} worker did not start within {timeout:g}s")
         try:
             kind, payload = self.conn.recv()
         except (EOFError, OSError):
             code = self.kill()
-            raise RewardLoadError(f"reward worker exited while starting (exit code {code})") from None
+            raise RewardLoadError(f"{self.kind} worker exited while starting (exit code {code})") from None
         if kind == "load_error":
             self.kill()
             raise RewardLoadError(payload)
@@ -57,6 +74,12 @@ class WorkerProcess:
                 f"could not send the inputs to a reward worker: {exc!r}; every RewardInput value "
                 "(extra columns included) must be picklable"
             ) from exc
+        self.job = job
+        self.deadline = time.monotonic() + timeout
+
+    def send(self, message: tuple[Any, ...], job: Any, timeout: float) -> None:
+        """Send any message (pickled here: an unpicklable one raises before a byte is sent) as `job`."""
+        self.conn.send(message)
         self.job = job
         self.deadline = time.monotonic() + timeout
 

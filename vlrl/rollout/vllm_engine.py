@@ -154,6 +154,15 @@ class VLLMRolloutEngine(RolloutEngine):
         self.show_progress = self.rank == 0 and not config.disable_tqdm  # vLLM's per-call progress bar
         # V2 runner, calls without a seed: the engine's own stream of call seeds (TP peers agree).
         self._call_seeds = random.Random(config.seed + self.dp_rank)
+        self.multi_turn = None
+        mt = getattr(config, "multi_turn", None)
+        if mt is not None and mt.enable:
+            from vlrl.rollout.multi_turn.loop import MultiTurnRollout
+
+            # tool images join the request's images: room for one batch of them per assistant turn
+            self.limit_images += mt.max_assistant_turns * mt.max_tool_images if self.is_vision else 0
+            self.multi_turn = MultiTurnRollout(mt, data_config, tokenizer, processor, self.hf_config,
+                                               self.eos_token_ids, self.pad_token_id, self.max_model_len)  # fmt: skip
         self._check_limits()
         self.llm = self._build_llm(model_path, tokenizer)
         self.has_weights = False
@@ -225,8 +234,12 @@ class VLLMRolloutEngine(RolloutEngine):
         return getattr(torch, VLLM_DTYPES[self.config.dtype])
 
     # ------------------------------------------------------------------------ generation
-    def sampling_params(self, s: SamplingSettings, seed: int | None = None) -> Any:
-        """vLLM `SamplingParams` for one call or one request (token ids only: no detokenization)."""
+    def sampling_params(
+        self, s: SamplingSettings, seed: int | None = None, stop_token_ids: list[int] | None = None
+    ) -> Any:
+        """vLLM `SamplingParams` for one call or one request (token ids only: no detokenization).
+
+        `stop_token_ids`: extra stop tokens (multi-turn: the end of a tool call)."""
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -237,7 +250,7 @@ class VLLMRolloutEngine(RolloutEngine):
             top_k=s.top_k if s.top_k > 0 else 0,
             max_tokens=s.max_tokens,
             ignore_eos=s.ignore_eos,
-            stop_token_ids=[] if s.ignore_eos else list(self.eos_token_ids),
+            stop_token_ids=([] if s.ignore_eos else list(self.eos_token_ids)) + list(stop_token_ids or []),
             logprobs=0 if s.logprobs else None,  # 0: only the sampled token's log-prob
             flat_logprobs=True,
             detokenize=False,
@@ -268,6 +281,15 @@ class VLLMRolloutEngine(RolloutEngine):
             return assemble_rollout_batch(prompts, [], s.n, self.pad_token_id, self.eos_token_ids)
         # An empty cache makes a call's scheduling, hence its sampling, a function of its inputs only.
         self.llm.reset_prefix_cache()
+        if self.multi_turn is not None:
+            multi_turn = self.multi_turn
+
+            def turn_fn(
+                reqs: list[tuple[list[int], list[Any]]], budgets: list[int], turn: int
+            ) -> list[tuple[list[int], Sequence[float] | None]]:
+                return self._turn(reqs, budgets, turn, s, multi_turn.call_end_id)
+
+            return multi_turn.run(prompts, s.n, turn_fn, s.max_tokens)
         outputs = self._generate(self.requests(prompts), s)
         # vLLM refuses n > 1 with greedy sampling: ask for one and repeat it (the copies are equal).
         copies = s.n if s.greedy else 1
@@ -299,6 +321,46 @@ class VLLMRolloutEngine(RolloutEngine):
         n = 1 if s.greedy else s.n
         params = [self.sampling_params(s, r) for r in vllm_hooks.request_seeds(seed, len(requests), n)]
         return self.llm.generate(requests, params, use_tqdm=self.show_progress)
+
+    def _turn(
+        self,
+        requests: list[tuple[list[int], list[Any]]],
+        budgets: list[int],
+        turn: int,
+        s: SamplingSettings,
+        call_end_id: int,
+    ) -> list[tuple[list[int], Sequence[float] | None]]:
+        """One assistant turn of every active trajectory: one sample per request, its own budget.
+
+        Seeded like `_generate`, with the turn added to the call seed (each turn its own draws)."""
+        import dataclasses
+
+        inputs = []
+        for ids, images in requests:
+            request: dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if images:
+                request["multi_modal_data"] = {"image": list(images)}
+            inputs.append(request)
+        stop = [call_end_id]
+        call_seed = self.call_seed(s)
+        if not self.use_v2:
+            params = [
+                self.sampling_params(dataclasses.replace(s, n=1, max_tokens=b), None, stop) for b in budgets
+            ]
+            with seeded_rng(None if call_seed is None else call_seed + 7919 * turn):
+                outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        else:
+            seed = (call_seed if call_seed is not None else self._call_seeds.getrandbits(62)) + 7919 * turn
+            seeds = vllm_hooks.request_seeds(seed, len(inputs), 1)
+            params = [self.sampling_params(dataclasses.replace(s, n=1, max_tokens=b), r, stop)
+                      for b, r in zip(budgets, seeds)]  # fmt: skip
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        result: list[tuple[list[int], Sequence[float] | None]] = []
+        for output in outputs:
+            sample = output.outputs[0]
+            log_probs = list(sample.logprobs.logprobs) if s.logprobs and sample.logprobs is not None else None
+            result.append((list(sample.token_ids), log_probs))
+        return result
 
     # ------------------------------------------------------------------------ weights
     def map_weight_name(self, name: str) -> str:
@@ -345,6 +407,9 @@ class VLLMRolloutEngine(RolloutEngine):
         """
         from vllm.distributed.parallel_state import destroy_model_parallel
 
+        multi_turn = getattr(self, "multi_turn", None)
+        if multi_turn is not None:
+            multi_turn.close()
         if getattr(self, "llm", None) is None:
             return
         client = self.llm.llm_engine.engine_core  # InprocClient (external_launcher runs in-process)

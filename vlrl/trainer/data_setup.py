@@ -20,8 +20,9 @@ class TrainingData:
             model.tokenizer_path or model.model_path, config.data.override_chat_template
         )
         hf_config = AutoConfig.from_pretrained(model.model_path, trust_remote_code=model.trust_remote_code)
+        self.tool_schemas = _tool_schemas(config.worker.rollout.multi_turn)
         self.train_loader, self.val_loader = create_dataloaders(
-            config.data, self.tokenizer, self.processor, hf_config
+            config.data, self.tokenizer, self.processor, hf_config, tools=self.tool_schemas
         )
         self.pad_token_id = self.train_loader.pad_token_id
         self.max_images_per_prompt = max(
@@ -49,6 +50,17 @@ class TrainingData:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.train_loader.load_state_dict(state)
         self._batches = iter(self.train_loader)
+
+
+def _tool_schemas(mt: Any) -> list[dict[str, Any]] | None:
+    """The tools' schemas, read in a tool worker process (the driver never imports tool files):
+    a tool file that fails to load stops the run here, at start-up."""
+    if not mt.enable or not mt.tools:
+        return None
+    from vlrl.rollout.multi_turn.tool_pool import ToolPool
+
+    with ToolPool(list(mt.tools), mt.interaction, workers=1, max_images=mt.max_tool_images) as pool:
+        return pool.schemas
 
 
 def _max_markers(dataset: Any, prompt_key: str) -> int:

@@ -6,6 +6,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -55,12 +56,33 @@ def batch_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, fl
         **_stats("prompt_length", prompt_len),
         "response_length/clip_ratio": (response_len >= max_response_length).float().mean().item(),
     }
+    metrics.update(multi_turn_metrics(batch.trajectories or [], "multi_turn"))
     if batch.rollout_log_probs is not None and batch.old_log_probs is not None:
         # drift between the engine's and the actor's log-probs of the same tokens (numerics, stale weights)
         diff = (batch.rollout_log_probs - batch.old_log_probs).abs()[mask]
         metrics["rollout/log_prob_diff_max"] = diff.max().item() if diff.numel() else 0.0
         metrics["rollout/log_prob_diff_mean"] = diff.mean().item() if diff.numel() else 0.0
     return metrics
+
+
+def multi_turn_metrics(trajectories: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+    """Turns and tool calls per sample, tool errors/timeouts/truncations and how trajectories ended
+    ({} for single-turn batches)."""
+    if not trajectories:
+        return {}
+    n = len(trajectories)
+    out = {
+        f"{prefix}/turns_mean": sum(t["num_turns"] for t in trajectories) / n,
+        f"{prefix}/tool_calls_mean": sum(t["num_tool_calls"] for t in trajectories) / n,
+        f"{prefix}/tool_call_rate": sum(t["num_tool_calls"] > 0 for t in trajectories) / n,
+        f"{prefix}/user_turns_mean": sum(t["num_user_turns"] for t in trajectories) / n,
+        f"{prefix}/tool_errors": float(sum(t["tool_errors"] for t in trajectories)),
+        f"{prefix}/tool_timeouts": float(sum(t["tool_timeouts"] for t in trajectories)),
+        f"{prefix}/tool_truncated": float(sum(t["tool_truncated"] for t in trajectories)),
+    }
+    for reason in ("overflow", "turn_limit", "length"):
+        out[f"{prefix}/stop_{reason}"] = float(sum(t["stop_reason"] == reason for t in trajectories))
+    return out
 
 
 def drift_warning(metrics: dict[str, float], limit: float) -> str | None:

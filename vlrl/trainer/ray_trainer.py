@@ -34,6 +34,7 @@ from vlrl.trainer.metrics import (
     batch_metrics,
     drift_warning,
     mean_reward_parts,
+    multi_turn_metrics,
     throughput_metrics,
 )
 from vlrl.trainer.ray_workers import RankGroup, start_ray
@@ -271,9 +272,14 @@ class RayPPOTrainer:
         """Decode, score in the reward workers, and put the score on each response's last token."""
         lengths = batch.response_mask.sum(-1).tolist()
         skip = self.config.worker.reward.skip_special_tokens
-        texts = [self.tokenizer.decode(row[:length], skip_special_tokens=skip)
-                 for row, length in zip(batch.responses.tolist(), lengths)]  # fmt: skip
-        inputs = build_reward_inputs(texts, lengths, batch.prompts, batch.ground_truths, batch.extras)
+        extras = batch.extras
+        if batch.trajectories is not None:  # multi-turn: the final answer, and the whole trajectory
+            texts = [info["final_response"] for info in batch.trajectories]
+            extras = [{**extra, "trajectory": info} for extra, info in zip(batch.extras, batch.trajectories)]
+        else:
+            texts = [self.tokenizer.decode(row[:length], skip_special_tokens=skip)
+                     for row, length in zip(batch.responses.tolist(), lengths)]  # fmt: skip
+        inputs = build_reward_inputs(texts, lengths, batch.prompts, batch.ground_truths, extras)
         result = self.rewards.score(inputs)
         batch.reward_parts = result.scores
         overall = torch.tensor([s["overall"] for s in result.scores], dtype=torch.float32)
@@ -294,7 +300,8 @@ class RayPPOTrainer:
         overrides = dict(self.config.worker.rollout.val_override_config)
         parts: list[dict[str, float]] = []
         samples: list[dict[str, Any]] = []
-        lengths = []
+        lengths: list[int] = []
+        trajectories: list[dict[str, Any]] = []
         start = time.perf_counter()
         assert self.data.val_loader is not None  # the loop validates only when there is val data
         for prompts in self.data.val_loader:
@@ -302,10 +309,12 @@ class RayPPOTrainer:
             self._score(batch)
             parts.extend(batch.scored_parts())
             lengths.extend(batch.response_mask.sum(-1).tolist())
+            trajectories.extend(batch.trajectories or [])
             if len(samples) < self.config.trainer.val_generations_to_log:
                 samples.extend(self._generation_samples(batch))
         metrics = mean_reward_parts(parts, "val")
         metrics["val/response_length"] = sum(lengths) / max(len(lengths), 1)
+        metrics.update(multi_turn_metrics(trajectories, "val_multi_turn"))
         metrics["timing/validation"] = time.perf_counter() - start
         if samples:
             self.tracker.log_generations(
@@ -314,7 +323,7 @@ class RayPPOTrainer:
         return metrics
 
     def _generation_samples(self, batch: RolloutBatch) -> list[dict[str, Any]]:
-        lengths = batch.response_mask.sum(-1).tolist()
+        lengths = batch.attention_mask[:, batch.prompt_length :].sum(-1).tolist()  # multi-turn: all turns
         return [
             {"prompt": prompt[-200:], "response": self.tokenizer.decode(row[:n], skip_special_tokens=True),
              "ground_truth": truth, "score": parts.get("overall")}

@@ -1,0 +1,100 @@
+"""Build what the multi-turn demo needs, if missing: greyscale shapes, the tiny model, a format warm-up.
+
+python examples/prepare_multi_turn_demo.py [--out outputs/multi_turn_demo]
+
+The prompt image shows the shape in one grey whatever its colour, so the answer is not in the
+prompt: without the `reveal` tool the reward ceiling is chance (0.25). The tool (examples/tools/
+reveal.py) returns the colour image and its name. The warm-up (`vlrl.models.turn_warmup`) teaches
+the *form* only: on half of the prompts it calls `reveal` and then answers a colour drawn at random,
+on the other half it answers a random colour at once. So it starts calling the tool about half of
+the time and answers at chance; RL must learn to call the tool and to read its result.
+"""
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from vlrl.data.prompts import ChatFormatter, FormatPrompt
+from vlrl.data.synthetic import BACKGROUND, COLOURS, make_shapes_dataset
+from vlrl.models.tiny import build_tiny_model
+from vlrl.models.turn_warmup import Segment, fit_segments
+
+GREY = (128, 128, 128)
+CALL = '<tool_call>{"name": "reveal"}</tool_call>'
+FORMAT = "format_prompts/shapes.jinja"
+PIXELS = 12544  # 112 x 112: 16 image tokens
+
+
+def grey_copy(path: Path) -> Path:
+    """The image with every non-background pixel painted one grey."""
+    pixels = np.array(Image.open(path).convert("RGB"))  # [H, W, 3]
+    pixels[(pixels != np.array(BACKGROUND)).any(-1)] = GREY
+    out = path.with_name("grey_" + path.name)
+    Image.fromarray(pixels).save(out)
+    return out
+
+
+def build_data(out: Path, n_train: int = 512, n_val: int = 64) -> None:
+    colour_dir = out / "data"
+    make_shapes_dataset(colour_dir, n_train=n_train, n_val=n_val, seed=0, task="colour", image_size=112)
+    for split in ("train", "val"):
+        rows = [json.loads(line) for line in (colour_dir / f"{split}.jsonl").read_text().splitlines()]
+        with open(colour_dir / f"{split}_mt.jsonl", "w", encoding="utf-8") as f:
+            for row in rows:
+                colour_path = (colour_dir / row["images"][0]).resolve()
+                grey = grey_copy(colour_path)
+                context = {"reveal": {"image_path": str(colour_path), "colour": row["answer"]}}
+                f.write(json.dumps({**row, "images": [str(grey.relative_to(colour_dir.resolve()))],
+                                    "tools_kwargs": context}) + "\n")  # fmt: skip
+
+
+def warm_up(model_dir: Path, train_file: Path, steps: int, batch_size: int = 16) -> dict[str, float]:
+    from vlrl.models.processor import load_processor
+    from vlrl.rollout.multi_turn.rendering import TurnRenderer
+
+    tokenizer, processor = load_processor(str(model_dir))
+    chat, fmt = ChatFormatter(tokenizer, processor), FormatPrompt(FORMAT)
+    renderer = TurnRenderer(tokenizer, processor.chat_template, True, 64)
+    rows = [json.loads(line) for line in train_file.read_text().splitlines()]
+    colours = sorted(COLOURS)
+
+    def example(rng: random.Random) -> list[Segment]:
+        row = rng.choice(rows)
+        prompt = Segment(
+            chat(fmt.render(row["problem"])), images=[Image.open(train_file.parent / row["images"][0])]
+        )
+        answer = Segment(rng.choice(colours) + "<|im_end|>", trained=True)  # random: form, not content
+        if rng.random() < 0.5:
+            return [prompt, answer]
+        context = row["tools_kwargs"]["reveal"]
+        tool = Segment(renderer.tool_turn(context["colour"], 1), images=[Image.open(context["image_path"])])
+        return [prompt, Segment(CALL, trained=True), tool, answer]
+
+    return fit_segments(model_dir, example, steps=steps, batch_size=batch_size, lr=1e-3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="outputs/multi_turn_demo")
+    parser.add_argument("--warmup-steps", type=int, default=60)
+    args = parser.parse_args()
+    out = Path(args.out)
+    if not (out / "data" / "train_mt.jsonl").exists():
+        build_data(out)
+        print(f"built the greyscale shapes dataset in {out / 'data'}")
+    marker = out / "model" / "turn_warmup.json"
+    if not marker.exists():
+        build_tiny_model(out / "model", "qwen2_5_vl", "tiny", seed=0, min_pixels=PIXELS, max_pixels=PIXELS,
+                         tool_tokens=True)  # fmt: skip
+        stats = warm_up(out / "model", out / "data" / "train_mt.jsonl", args.warmup_steps)
+        marker.write_text(json.dumps(stats))
+        print(f"tiny model in {out / 'model'}; format warm-up: loss {stats['loss_first']:.2f} -> "
+              f"{stats['loss_last']:.2f} in {stats['seconds']:.0f} s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""worker.rollout.multi_turn: off by default, every bad value fails at start-up naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vlrl.config import ConfigError, PPOConfig
+from vlrl.config_loader import load_config
+
+TOOLS = str(Path(__file__).with_name("mt_tools.py"))
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> list[str]:
+    reward = tmp_path / "reward.py"
+    reward.write_text("def main(inputs):\n    return [{'overall': 0.0} for _ in inputs]\n")
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    return [
+        f"worker.actor.model.model_path={tmp_path}",
+        f"worker.reward.reward_function={reward}:main",
+        f"data.train_files={data}",
+        "data.rollout_batch_size=8",
+        "worker.actor.global_batch_size=4",
+        "worker.actor.micro_batch_size_per_device_for_update=2",
+        "worker.rollout.n=4",
+        "trainer.n_gpus_per_node=2",
+        "trainer.device=cpu",
+    ]
+
+
+def test_off_by_default():
+    assert PPOConfig().worker.rollout.multi_turn.enable is False
+
+
+def test_valid_multi_turn_config(base):
+    config = load_config(
+        [*base, "worker.rollout.multi_turn.enable=true", f"worker.rollout.multi_turn.tools=[{TOOLS}:add]"]
+    )
+    assert config.worker.rollout.multi_turn.tools == [f"{TOOLS}:add"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([], r"enable=true needs worker.rollout.multi_turn.tools"),
+        (["worker.rollout.multi_turn.tools=[/no/tools.py:f]"], r"file of '/no/tools.py:f' does not exist"),
+        ([f"worker.rollout.multi_turn.tools=[{TOOLS}:add]", "worker.rollout.multi_turn.max_assistant_turns=0"],
+         r"max_assistant_turns=0 must be >= 1"),
+        ([f"worker.rollout.multi_turn.tools=[{TOOLS}:add]", "worker.rollout.multi_turn.tool_timeout=0"],
+         r"tool_timeout=0.0 must be > 0"),
+        ([f"worker.rollout.multi_turn.tools=[{TOOLS}:add]", "worker.rollout.multi_turn.format=json"],
+         r"format='json' is unknown"),
+        ([f"worker.rollout.multi_turn.tools=[{TOOLS}:add]", "worker.rollout.name=hf"],
+         r"runs on the vLLM engine only"),
+    ],
+)  # fmt: skip
+def test_bad_values_fail_at_start_up(base, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([*base, "worker.rollout.multi_turn.enable=true", *overrides])

@@ -1,0 +1,197 @@
+"""The per-turn loop: every active sample generates until the end of a tool call or EOS, calls run in
+the tool pool, results are appended, and finished samples leave; then one `RolloutBatch`.
+
+The engine is abstract here: `generate_turn(requests, max_tokens, turn)` takes
+[(unexpanded context ids, images)] with each request's token budget and returns
+[(sampled ids, log-probs or None)], stopping at `stop_token_ids` (EOS + the end-of-call token).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.rollout.multi_turn.parsing import CALL_END, ToolCall, parse_tool_call
+from vlrl.rollout.multi_turn.rendering import TurnEncoder, TurnRenderer
+from vlrl.rollout.multi_turn.tool_pool import ToolPool
+from vlrl.rollout.multi_turn.tools import ToolOutput
+from vlrl.rollout.multi_turn.trajectory import Trajectory, assemble_trajectories
+
+logger = logging.getLogger(__name__)
+
+Request = tuple[list[int], list[Any]]
+GenerateTurn = Callable[[list[Request], list[int], int], list[tuple[list[int], Sequence[float] | None]]]
+
+
+def call_end_token_id(tokenizer: Any) -> int:
+    """The id of `</tool_call>`; generation stops on it, so it must be one token."""
+    ids = tokenizer.encode(CALL_END, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(
+            f"multi_turn.format=hermes needs {CALL_END} to be one token of the tokenizer, but it encodes to "
+            f"{ids}; use a tokenizer that has it (Qwen2.5-VL, Qwen3-VL) or add it as a token"
+        )
+    return ids[0]
+
+
+class MultiTurnRollout:
+    """Tools, rendering and the turn loop for one rank's engine."""
+
+    def __init__(
+        self,
+        mt_config: Any,
+        data_config: Any,
+        tokenizer: Any,
+        processor: Any | None,
+        hf_config: Any,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        max_model_len: int,
+    ) -> None:
+        self.config, self.tokenizer = mt_config, tokenizer
+        self.max_response_length, self.max_model_len = data_config.max_response_length, max_model_len
+        self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
+        self.call_end_id = call_end_token_id(tokenizer)
+        self.encoder = TurnEncoder(data_config, tokenizer, processor, hf_config)
+        self.renderer = TurnRenderer(
+            tokenizer,
+            self.encoder.preparer.chat.template,
+            processor is not None,
+            mt_config.max_tool_response_tokens,
+        )
+        self.pool = ToolPool(
+            list(mt_config.tools), mt_config.interaction, mt_config.tool_workers,
+            mt_config.tool_timeout, mt_config.max_tool_images,
+        )  # fmt: skip
+
+    _limit: int = 0  # the current call's response budget
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return [*self.eos_token_ids, self.call_end_id]
+
+    def close(self) -> None:
+        self.pool.close()
+
+    # ------------------------------------------------------------------ the loop
+    def run(
+        self, prompts: PromptBatch, n: int, generate_turn: GenerateTurn, max_tokens: int | None = None
+    ) -> RolloutBatch:
+        """n trajectories per prompt (a prompt's samples adjacent); `max_tokens` (default
+        data.max_response_length) bounds each whole response, tool and user turns included."""
+        max_response_length = self._limit = max_tokens or self.max_response_length
+        trajectories = [
+            Trajectory(
+                prompt_row=i // n,
+                context_ids=list(prompts.raw_prompt_ids[i // n]),
+                images=list(prompts.images[i // n]),
+                prompt_length=int(prompts.attention_mask[i // n].sum()),
+                tool_context=self.row_context(prompts.extras[i // n], i // n),
+                ground_truth=prompts.ground_truths[i // n],
+            )
+            for i in range(len(prompts) * n)
+        ]
+        turn = 0
+        while True:
+            active = [t for t in trajectories if not t.done]
+            for t in active:
+                if t.budget(max_response_length, self.max_model_len) < 1:
+                    t.stop_reason = "overflow"
+            active = [t for t in active if not t.done]
+            if not active:
+                break
+            budgets = [t.budget(max_response_length, self.max_model_len) for t in active]
+            outputs = generate_turn([(t.context_ids, t.images) for t in active], budgets, turn)
+            calls: list[tuple[Trajectory, ToolCall | Any]] = []
+            finished: list[Trajectory] = []
+            for t, (ids, log_probs) in zip(active, outputs):
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                t.add_generated(list(ids), log_probs, text)
+                last = ids[-1] if ids else None
+                if last == self.call_end_id:
+                    if t.assistant_turns >= self.config.max_assistant_turns:
+                        t.stop_reason = "turn_limit"
+                    else:
+                        calls.append(
+                            (t, parse_tool_call(self.tokenizer.decode(ids, skip_special_tokens=False)))
+                        )
+                elif last in self.eos_token_ids:
+                    finished.append(t)
+                else:
+                    t.stop_reason = "length"
+            self._run_calls(calls)
+            self._interact(finished)
+            turn += 1
+        return assemble_trajectories(prompts, trajectories, self.pad_token_id, self.encoder.positions)
+
+    def _run_calls(self, calls: list[tuple[Trajectory, Any]]) -> None:
+        """Run the parsed calls in the pool (parse errors answer directly) and append the results."""
+        parsed = [(t, c) for t, c in calls if isinstance(c, ToolCall)]
+        outputs = self.pool.call([(c.name, c.arguments, self._context(t, c.name)) for t, c in parsed])
+        results = dict(zip([id(t) for t, _ in parsed], outputs))
+        for t, call in calls:
+            out = results.get(id(t)) or ToolOutput(call.message, error=True)
+            if out.images and self.encoder.spec is None:
+                out = ToolOutput(
+                    "error: the tool returned an image but this model reads text only", error=True
+                )
+            name = call.name if isinstance(call, ToolCall) else None
+            args = call.arguments if isinstance(call, ToolCall) else None
+            text, cut = self.renderer.truncate(out.text)
+            t.tool_truncated += int(cut)
+            t.tool_calls.append({"name": name, "arguments": args, "result": text, "images": len(out.images),
+                                 "error": out.error, "timed_out": out.timed_out})  # fmt: skip
+            t.messages.append({"role": "tool", "name": name, "content": text, "images": len(out.images)})
+            self._append(t, self.renderer.tool_turn(text, len(out.images)), out.images)
+
+    def _interact(self, finished: list[Trajectory]) -> None:
+        """Ask the interaction (if any) to reply to trajectories that ended a turn with EOS."""
+        asking = [
+            t for t in finished if self.config.interaction and t.user_turns < self.config.max_user_turns
+        ]
+        for t in finished:
+            if t not in asking:
+                t.stop_reason = "eos"
+        if not asking:
+            return
+        contexts = [{"ground_truth": t.ground_truth, **self._context(t, "interaction")} for t in asking]
+        replies = self.pool.interact([(t.messages, c) for t, c in zip(asking, contexts)])
+        for t, reply in zip(asking, replies):
+            if reply is None:
+                t.stop_reason = "eos"
+                continue
+            t.user_turns += 1
+            t.messages.append({"role": "user", "content": reply})
+            self._append(t, self.renderer.user_turn(reply), [])
+
+    def _append(self, t: Trajectory, text: str, images: list[Any]) -> None:
+        """Append a rendered turn, or end the trajectory (overflow) when it and one more token do not fit."""
+        raw, expanded, images = self.encoder.encode(text, images)
+        if t.budget(self._limit, self.max_model_len) < len(expanded) + 1:
+            t.stop_reason = "overflow"
+            return
+        t.add_context(raw, expanded, images)
+
+    def _context(self, t: Trajectory, name: str) -> dict[str, Any]:
+        """The row's tool context for tool `name` (or "interaction")."""
+        return dict(t.tool_context.get(name) or {})
+
+    def row_context(self, extras: dict[str, Any], row: int) -> dict[str, Any]:
+        """The row's `tools_kwargs_key` column as {tool name: {keyword: value}} ({} when absent)."""
+        key = self.config.tools_kwargs_key
+        value = extras.get(key)
+        if isinstance(value, str):  # CSV stores it as JSON text
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ValueError(f"prompt row {row}: column {key!r} is not valid JSON ({err})") from err
+        if value is None:
+            return {}
+        if not isinstance(value, dict) or not all(isinstance(v, dict) or v is None for v in value.values()):
+            raise ValueError(
+                f"prompt row {row}: column {key!r} must map tool names to keyword dicts, got {str(value)[:100]}"
+            )
+        return value

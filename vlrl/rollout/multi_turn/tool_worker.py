@@ -1,0 +1,117 @@
+"""Entry point of a tool worker process (spawned by `ToolPool`); imports no torch.
+
+The worker loads every tool (and the interaction) from its spec with the reward loader
+(`vlrl.rewards.loading.load_function`), reports `ready` with the schemas, then serves calls.
+
+Messages, worker -> parent: ("ready", info) | ("load_error", message) | ("result", job_id, value)
+Messages, parent -> worker: ("call", job_id, name, arguments, context)
+                            ("interact", job_id, messages, context) | ("stop",)
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from vlrl.rewards.loading import load_function
+from vlrl.rewards.memory import apply_memory_limit
+from vlrl.rewards.types import RewardLoadError
+from vlrl.rollout.multi_turn.tools import (
+    ToolOutput,
+    check_arguments,
+    context_parameters,
+    normalize_output,
+    tool_schema,
+)
+
+MAX_ERROR_CHARS = 300  # an exception message shown to the model is cut to this
+
+
+def load_tools(specs: list[str]) -> dict[str, Callable[..., Any]]:
+    """{tool name: function}; names must be unique across the files."""
+    tools: dict[str, Callable[..., Any]] = {}
+    for spec in specs:
+        fn, path, name, _ = load_function(spec, "tool")
+        if name in tools:
+            raise RewardLoadError(
+                f"two tools are named {name!r} (worker.rollout.multi_turn.tools): rename one"
+            )
+        tools[name] = fn
+    return tools
+
+
+def call_tool(
+    tools: dict[str, Callable[..., Any]],
+    name: str,
+    arguments: dict[str, Any],
+    context: dict[str, Any],
+    max_images: int,
+) -> ToolOutput:
+    """Run one call; every failure becomes an error output for the model."""
+    fn = tools.get(name)
+    if fn is None:
+        return ToolOutput(f"error: there is no tool named {name!r}; tools: {sorted(tools)}", error=True)
+    problem = check_arguments(fn, name, arguments)
+    if problem:
+        return ToolOutput(problem, error=True)
+    hidden = {k: v for k, v in (context or {}).items() if k in context_parameters(fn)}
+    try:
+        value = fn(**arguments, **hidden)
+    except Exception as exc:
+        return ToolOutput(
+            f"error: {name} raised {type(exc).__name__}: {str(exc)[:MAX_ERROR_CHARS]}", error=True
+        )
+    except SystemExit as exc:
+        return ToolOutput(f"error: {name} called sys.exit({exc.code})", error=True)
+    return normalize_output(value, max_images)
+
+
+def call_interaction(
+    fn: Callable[..., Any], messages: list[dict[str, Any]], context: dict[str, Any]
+) -> str | None:
+    """The interaction's reply as the user, or None to end the episode (also when it fails)."""
+    params = inspect.signature(fn).parameters.values()
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    names = {p.name for p in params}
+    kwargs = {k: v for k, v in (context or {}).items() if takes_all or k in names}
+    try:
+        reply = fn(messages, **kwargs)
+    except Exception:
+        return None
+    return reply if isinstance(reply, str) and reply else None
+
+
+def tool_worker_main(
+    conn: Connection, specs: list[str], interaction: str | None, max_images: int, memory_limit_mb: int | None
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    apply_memory_limit(memory_limit_mb)
+    try:
+        tools = load_tools(specs)
+        interact = load_function(interaction, "interaction")[0] if interaction else None
+        schemas = [tool_schema(fn, name) for name, fn in tools.items()]
+    except RewardLoadError as exc:
+        conn.send(("load_error", str(exc)))
+        return
+    except BaseException as exc:
+        conn.send(("load_error", f"loading tools {specs} raised {type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", {"pid": os.getpid(), "schemas": schemas, "where": ", ".join(specs)}))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the parent went away
+            return
+        if message[0] == "stop":
+            return
+        if message[0] == "call":
+            _, job_id, name, arguments, context = message
+            conn.send(("result", job_id, call_tool(tools, name, arguments, context, max_images)))
+        else:
+            _, job_id, messages, context = message
+            reply = call_interaction(interact, messages, context) if interact else None
+            conn.send(("result", job_id, reply))
