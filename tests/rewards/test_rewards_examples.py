@@ -58,7 +58,9 @@ def _batch(name, response, truth, length=10, **kwargs):
 def test_math_reward(response, truth, fmt, acc):
     start = time.perf_counter()
     score = _batch("boxed_math", response, truth)
-    assert time.perf_counter() - start < 2.0  # generous: a shared 2-core machine
+    # A guard against super-linear regexes (100k-char inputs would take minutes), not a timing:
+    # the bound is loose enough for a loaded 2-core machine.
+    assert time.perf_counter() - start < 10.0
     assert (score["format"], score["accuracy"]) == (fmt, acc)
     assert score["overall"] == pytest.approx(0.9 * acc + 0.1 * fmt)
 
@@ -98,7 +100,7 @@ def test_last_boxed_keeps_nested_braces():
 def test_r1v_reward(response, fmt, acc):
     start = time.perf_counter()
     score = _batch("r1v", response, "3")
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 10.0  # the regex guard, as above
     assert (score["format"], score["accuracy"]) == (fmt, acc)
     assert score["overall"] == pytest.approx(0.5 * acc + 0.5 * fmt)
 
