@@ -146,7 +146,7 @@ def test_worker_side_load_error_is_reported(write_reward):
         RewardRunner(make_config(path))
 
 
-@pytest.mark.parametrize("name", ["math", "r1v", "dapo", "shapes"])
+@pytest.mark.parametrize("name", ["boxed_math", "r1v", "dapo", "shapes"])
 def test_examples_load(name):
     loaded = load_reward_function(f"{EXAMPLES / name}.py:compute_score", "batch")
     assert loaded.reward_type == ("sequential" if name == "shapes" else "batch")

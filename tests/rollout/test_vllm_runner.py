@@ -138,6 +138,7 @@ def v2_engine(dp_rank: int = 1) -> VLLMRolloutEngine:
     engine.config, engine.dp_rank, engine.use_v2 = rollout_config(seed=4), dp_rank, True
     engine.eos_token_ids, engine.llm = [2], _RecordingLLM()
     engine._call_seeds = random.Random(4 + dp_rank)
+    engine.show_progress = False
     return engine
 
 
