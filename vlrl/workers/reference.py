@@ -22,6 +22,7 @@ from torch import Tensor
 
 from vlrl.config import FSDPConfig, ModelConfig, PPOConfig
 from vlrl.models.loading import is_vision_model, load_model
+from vlrl.models.lora import apply_lora
 from vlrl.models.packing import LogProbOutput, build_packed_inputs, build_padded_inputs, forward_log_probs
 from vlrl.models.sampling import SamplingDistribution, banned_token_ids
 from vlrl.models.ulysses import build_sequence_parallel, head_errors
@@ -147,6 +148,9 @@ class ShardedModel:
         )
         if not trainable:
             model.requires_grad_(False)
+        elif model_cfg.lora.rank > 0:
+            # adapters on the text decoder's linears; every base weight is frozen (vlrl.models.lora)
+            model = apply_lora(model, model_cfg.lora)
         full = model.state_dict() if rank0_init and self.rank == 0 else None
         apply_fsdp(model, self.device, fsdp_cfg)
         if rank0_init:
@@ -246,14 +250,17 @@ class ShardedModel:
         )
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
+    def compute_log_probs(
+        self, batch: RolloutBatch, temperature: float, micro_batch_size: int | None = None
+    ) -> Tensor:
         """Log-probs [N, R] (fp32, CPU) of `batch.responses` under this model; 0 on padding.
 
-        Taken on the sampling distribution at `temperature` (banned tokens removed)."""
+        Taken on the sampling distribution at `temperature` (banned tokens removed), in micro-batches
+        of `micro_batch_size` samples (default: this model's experience micro-batch size)."""
         self.module.eval()
         image_anchor = self.any_rank_has_images(batch)
         out = torch.zeros(batch.responses.shape, dtype=torch.float32)
-        for rows in self.plan_micro_batches(batch, self.micro_batch_size):
+        for rows in self.plan_micro_batches(batch, micro_batch_size or self.micro_batch_size):
             result = self.forward_micro_batch(batch.select(rows), temperature, image_anchor)
             if rows:
                 out[rows] = result.log_probs.cpu()
@@ -318,3 +325,25 @@ class Reference(ShardedModel):
                 move_params(self.module, "cpu")
             if self.vision is not None and self.owns_vision_cache:
                 self.vision.clear()  # nobody else reads a private cache: free its pixels now
+
+
+class AdapterOffReference:
+    """The reference policy of a LoRA actor: the actor's own model with its adapters switched off.
+
+    LoRA never changes the base weights, so the base model is exactly the initial policy: no second
+    copy of the weights is loaded. `worker.ref.micro_batch_size_per_device_for_experience` applies;
+    the rest of `worker.ref` (padding-free mode, offloading) has no weights of its own to act on.
+    """
+
+    def __init__(self, actor: ShardedModel, micro_batch_size: int) -> None:
+        self.actor = actor
+        self.micro_batch_size = micro_batch_size
+
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
+        """Reference log-probs [N, R]: the actor's forward with every adapter disabled."""
+        module = self.actor.module
+        with module.disable_adapter():
+            try:
+                return self.actor.compute_log_probs(batch, temperature, self.micro_batch_size)
+            finally:
+                reshard(module)  # no backward follows: free what the forward gathered
