@@ -131,13 +131,3 @@ def merged_named_tensors(
             yield base_name(f"{module}.weight"), (weight.float() + delta).to(weight.dtype)
     if pending:
         raise ValueError(f"LoRA merge: unpaired adapter tensors {sorted(pending)[:4]}")
-
-
-def adapter_state(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The adapter alone, with the key names peft's `save_pretrained` writes (adapter name dropped)."""
-    out = {}
-    for name, tensor in named:
-        lora = _LORA_PARTS.match(name)
-        if lora is not None:
-            out[f"{lora['module']}.lora_{lora['which']}.weight"] = tensor
-    return out
