@@ -408,7 +408,8 @@ class Actor(ShardedModel):
     def save_adapter_config(self, path: str) -> None:
         """With LoRA, write peft's `adapter_config.json` (rank, alpha, targets, base model) to `path`."""
         if self.lora:
-            self.module.peft_config[ADAPTER].save_pretrained(path)
+            configs: Any = self.module.peft_config  # {adapter name: peft.LoraConfig}
+            configs[ADAPTER].save_pretrained(path)
 
     def save_hf(self, path: str) -> None:
         """Rank 0 writes a Hugging Face folder (full weights, config, processor/tokenizer). Collective.

@@ -19,7 +19,7 @@ from vlrl.protocol import PromptBatch, RolloutBatch
 if TYPE_CHECKING:
     from vlrl.rollout.base import RolloutEngine
     from vlrl.workers.actor import Actor
-    from vlrl.workers.reference import Reference
+    from vlrl.workers.reference import AdapterOffReference, Reference
 
 
 class RankWorker:
@@ -40,7 +40,7 @@ class RankWorker:
         # built by setup(), which the driver calls once the world is up
         self.actor: Actor
         self.rollout: RolloutEngine
-        self.reference: Reference | None = None
+        self.reference: Reference | AdapterOffReference | None = None
 
     def setup(self, limit_images: int, optimizer_steps: int) -> dict[str, float]:
         """Load the models and the engine, then give the engine the actor's weights.

@@ -309,7 +309,9 @@ class Reference(ShardedModel):
         if self.offload:
             move_params(self.module, "cpu")
 
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
+    def compute_log_probs(
+        self, batch: RolloutBatch, temperature: float, micro_batch_size: int | None = None
+    ) -> Tensor:
         """Reference log-probs [N, R]; loads the weights onto the device for the call when offloaded.
 
         Pass the actor's `vision_cache` at construction to reuse its pixel values (else a private
@@ -318,7 +320,7 @@ class Reference(ShardedModel):
         if self.offload:
             move_params(self.module, self.device)
         try:
-            return super().compute_log_probs(batch, temperature)
+            return super().compute_log_probs(batch, temperature, micro_batch_size)
         finally:
             reshard(self.module)  # no backward follows: free what the forward gathered
             if self.offload:
@@ -341,7 +343,7 @@ class AdapterOffReference:
 
     def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
         """Reference log-probs [N, R]: the actor's forward with every adapter disabled."""
-        module = self.actor.module
+        module: Any = self.actor.module  # an FSDP-sharded peft.PeftModel
         with module.disable_adapter():
             try:
                 return self.actor.compute_log_probs(batch, temperature, self.micro_batch_size)
