@@ -13,6 +13,7 @@ model stays sharded over all ranks; the data is split over `dp_size = world / sp
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -37,6 +38,8 @@ from vlrl.workers.fsdp import (
     world_info,
 )
 from vlrl.workers.vision import VisionCache, dummy_image_anchor, text_anchor
+
+logger = logging.getLogger(__name__)
 
 
 class ShardedModel:
@@ -340,6 +343,12 @@ class AdapterOffReference:
     def __init__(self, actor: ShardedModel, micro_batch_size: int) -> None:
         self.actor = actor
         self.micro_batch_size = micro_batch_size
+        ref = actor.config.worker.ref
+        if ref.offload_params or ref.padding_free != actor.padding_free:
+            logger.info(
+                "LoRA: the reference policy is the actor with its adapters off, so worker.ref.offload_params "
+                "and worker.ref.padding_free do not apply (the actor's settings do)"
+            )
 
     def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
         """Reference log-probs [N, R]: the actor's forward with every adapter disabled."""
