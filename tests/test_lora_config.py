@@ -19,6 +19,11 @@ def base(tmp_path: Path) -> list[str]:
         f"worker.actor.model.model_path={tmp_path}",
         f"worker.reward.reward_function={reward}:main",
         f"data.train_files={data}",
+        "data.rollout_batch_size=8",
+        "worker.actor.global_batch_size=4",
+        "worker.actor.micro_batch_size_per_device_for_update=2",
+        "worker.rollout.n=4",
+        "trainer.n_gpus_per_node=2",
         "trainer.device=cpu",
     ]
 
