@@ -337,17 +337,23 @@ class AdapterOffReference:
 
     LoRA never changes the base weights, so the base model is exactly the initial policy: no second
     copy of the weights is loaded. `worker.ref.micro_batch_size_per_device_for_experience` applies;
-    the rest of `worker.ref` (padding-free mode, offloading) has no weights of its own to act on.
+    the rest of `worker.ref` (padding-free mode, fsdp, offload) has no weights of its own to act on.
     """
 
-    def __init__(self, actor: ShardedModel, micro_batch_size: int) -> None:
+    def __init__(self, actor: ShardedModel, micro_batch_size: int | None) -> None:
         self.actor = actor
         self.micro_batch_size = micro_batch_size
         ref = actor.config.worker.ref
-        if ref.offload_params or ref.padding_free != actor.padding_free:
+        unused = {
+            "worker.ref.offload.offload_params": ref.offload.offload_params,
+            "worker.ref.padding_free": ref.padding_free not in (None, actor.padding_free),
+            "worker.ref.fsdp": ref.fsdp != actor.config.worker.actor.fsdp,
+        }
+        if any(unused.values()):
             logger.info(
-                "LoRA: the reference policy is the actor with its adapters off, so worker.ref.offload_params "
-                "and worker.ref.padding_free do not apply (the actor's settings do)"
+                "LoRA: the reference policy is the actor with its adapters off, so %s do not apply "
+                "(the actor's settings do)",
+                ", ".join(k for k, v in unused.items() if v),
             )
 
     def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
