@@ -30,12 +30,8 @@ COMMANDS: dict[str, list[str]] = yaml.safe_load((FIXTURES / "commands.yaml").rea
 EASYR1_REPO = os.environ.get("EASYR1_REPO", "/work/.mirror/hiyouga+EasyR1/repo")
 
 # Commands that need a feature vlrl does not have yet: they must fail at start-up with exactly
-# these problems and no other. (Sequence parallelism and LoRA are being built separately; when
-# they land, their entries go.)
-NOT_YET = {
-    "qwen3_4b_math_grpo_lora.sh": ["worker.actor.model.lora.rank > 0: LoRA training is not built yet"],
-    "qwen3_vl_4b_geo3k_grpo_lora.sh": ["worker.actor.model.lora.rank > 0: LoRA training is not built yet"],
-}
+# these problems and no other. (Empty since LoRA landed; keep the mechanism for the next one.)
+NOT_YET: dict[str, list[str]] = {}
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,12 +28,37 @@ def check_config(config: PPOConfig) -> list[str]:
         _check_not_supported_yet,
         _check_algorithm,
         _check_rollout,
+        _check_lora,
         _check_reward,
         _check_multi_turn,
         _check_trainer,
         _check_paths,
     ):
         errors.extend(check(config))
+    return errors
+
+
+def _check_lora(config: PPOConfig) -> list[str]:
+    lora = config.worker.actor.model.lora
+    key = "worker.actor.model.lora"
+    if lora.rank < 0:
+        return [f"{key}.rank={lora.rank} must be >= 0 (0 trains all weights)"]
+    if lora.rank == 0:
+        return []
+    errors = []
+    if lora.alpha <= 0:
+        errors.append(f"{key}.alpha={lora.alpha} must be > 0 (the adapters are scaled by alpha / rank)")
+    if not str(lora.target_modules or "").replace(",", "").strip():
+        errors.append(
+            f"{key}.target_modules is empty: give 'all-linear' or a comma list such as q_proj,v_proj"
+        )
+    if lora.exclude_modules:
+        try:
+            re.compile(lora.exclude_modules)
+        except re.error as err:
+            errors.append(f"{key}.exclude_modules={lora.exclude_modules!r} is not a valid regex: {err}")
+    if importlib.util.find_spec("peft") is None:
+        errors.append(f"{key}.rank > 0 needs the `peft` package: pip install 'peft==0.21.*'")
     return errors
 
 
@@ -217,10 +243,6 @@ def _check_rollout(config: PPOConfig) -> list[str]:
         errors.append(
             f"worker.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"
         )
-    if config.worker.actor.model.lora.rank < 0:
-        errors.append(f"worker.actor.model.lora.rank={config.worker.actor.model.lora.rank} must be >= 0")
-    elif config.worker.actor.model.lora.rank > 0:
-        errors.append("worker.actor.model.lora.rank > 0: LoRA training is not built yet; use rank 0")
     if rollout.temperature <= 0:
         errors.append(
             f"worker.rollout.temperature={rollout.temperature} must be > 0: training needs sampled responses "

@@ -167,6 +167,34 @@ def test_sync_matches_transformers_greedy(vl):
     assert vl.engine.generate(vl.prompts, GREEDY).responses.equal(before.responses)
 
 
+def test_lora_sync_matches_transformers_greedy_on_the_merged_model(vl):
+    """A LoRA-wrapped model with trained-looking adapters: the sync merges them, and vLLM's greedy
+    tokens and log-probs equal transformers' on peft's own merge of the same model."""
+    from vlrl.config import LoraConfig
+    from vlrl.models.lora import apply_lora
+
+    synced(vl)
+    before = vl.engine.generate(vl.prompts, GREEDY)
+    model = apply_lora(copy.deepcopy(vl.base), LoraConfig(rank=4, alpha=16))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # B starts at 0 (no change); give it values, as training would
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    try:
+        metrics = sync_weights(model, vl.engine, bucket_mb=1)
+        after = vl.engine.generate(vl.prompts, GREEDY)
+        merged = copy.deepcopy(model).merge_and_unload()  # peft's merge, independent of ours
+        expected = greedy_hf_batch(vl.path, merged, vl.prompts, 12)
+        assert after.responses.equal(expected.responses)
+        assert not after.responses.equal(before.responses)  # the adapters reached the engine
+        torch.testing.assert_close(after.rollout_log_probs, expected.rollout_log_probs, atol=2e-4, rtol=0)
+        # plain tensors under plain names: as many bytes as the merged model, no adapter tensors
+        assert metrics["sync/bytes"] == sum(t.numel() * 4 for t in merged.state_dict().values())
+    finally:
+        sync_weights(vl.base, vl.engine, bucket_mb=64)
+
+
 def test_image_token_is_never_sampled(vl):
     """With `<|image_pad|>` the argmax after every prefix, neither greedy nor sampling emits it."""
     synced(vl)

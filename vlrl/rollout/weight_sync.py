@@ -5,6 +5,8 @@
 1. Walk the module's `state_dict()` in its order. FSDP2 holds parameters as DTensor shards;
    `.full_tensor()` all-gathers one (a collective: every rank walks the same order, so every rank
    must call `sync_weights`, including TP peers and ranks with nothing to generate).
+   A LoRA model's adapted weights are merged on the way (W + alpha/r * B @ A, `vlrl.models.lora`),
+   so the engine gets plain weights under plain names and needs no adapter support.
 2. Map transformers-5 runtime names to checkpoint names (`checkpoint_name`): wrapper prefixes
    (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`, `_orig_mod.`) are dropped, and Qwen2-VL /
    Qwen2.5-VL's `model.language_model.` / `model.visual.` become the `model.` / `visual.` of their
@@ -84,7 +86,18 @@ def _rss() -> int:
 
 
 def full_named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every state_dict entry in order; DTensor shards are all-gathered."""
+    """(name, full tensor) for every state_dict entry in order; DTensor shards are all-gathered.
+
+    A LoRA model (`vlrl.models.lora`) yields its merged weights under the transformers names."""
+    from vlrl.models.lora import is_lora_model, lora_scaling_of, merged_named_tensors
+
+    gathered = _gathered(module)
+    if is_lora_model(module):
+        return merged_named_tensors(gathered, lora_scaling_of(module))
+    return gathered
+
+
+def _gathered(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     from torch.distributed.tensor import DTensor
 
     for name, value in module.state_dict().items():

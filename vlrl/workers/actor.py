@@ -38,6 +38,7 @@ from torch import Tensor
 from vlrl.algorithms import aggregate_loss, compute_kl_loss, compute_policy_loss, count_tokens_and_seqs
 from vlrl.config import ActorConfig, PPOConfig
 from vlrl.models.loading import model_class
+from vlrl.models.lora import ADAPTER, lora_scaling_of, merged_named_tensors
 from vlrl.protocol import RolloutBatch
 from vlrl.utils.flops import peak_flops, training_flops
 from vlrl.workers.checkpoint_io import (
@@ -160,6 +161,8 @@ class Actor(ShardedModel):
             vision_cache=vision_cache,
         )
         self.cfg = cfg
+        self.lora = cfg.model.lora.rank > 0  # then only the adapters train, save and load
+        # the optimizer, its states and grad-norm clipping cover the trainable parameters only
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.set_total_steps(total_steps if total_steps is not None else default_total_steps(config))
@@ -354,7 +357,7 @@ class Actor(ShardedModel):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         os.makedirs(path, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_dict_options())
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
         extra = {
             "scheduler": self.scheduler.state_dict(),
@@ -370,12 +373,18 @@ class Actor(ShardedModel):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)  # creates missing optim states
+        options = self._state_dict_options()
+        # creates missing optim states
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=options)
         placement = state_placement(self.optimizer)  # before load_state_dict recasts them
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(path, "dcp")))
         set_state_dict(
-            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
         )
         del state, model_sd, optim_sd  # the optimizer now holds recast copies; free the loaded originals
         restore_state_placement(self.optimizer, placement)
@@ -387,9 +396,28 @@ class Actor(ShardedModel):
         set_rng_state(extra["rng"])
         dist.barrier()
 
+    def _state_dict_options(self):
+        """With LoRA a checkpoint holds only the adapters (the frozen base is re-read from model_path).
+
+        dcp.load fails on any key of the request missing from the checkpoint, so every adapter
+        tensor is read; `strict=False` only lets the frozen base keys stay as they are."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.lora, strict=not self.lora)
+
+    def save_adapter_config(self, path: str) -> None:
+        """With LoRA, write peft's `adapter_config.json` (rank, alpha, targets, base model) to `path`."""
+        if self.lora:
+            configs: Any = self.module.peft_config  # {adapter name: peft.LoraConfig}
+            configs[ADAPTER].save_pretrained(path)
+
     def save_hf(self, path: str) -> None:
-        """Rank 0 writes a Hugging Face folder (full weights, config, processor/tokenizer). Collective."""
+        """Rank 0 writes a Hugging Face folder (full weights, config, processor/tokenizer). Collective.
+
+        With LoRA the adapters are merged into the weights (plain transformers names)."""
         state = full_state_dict(self.module)
+        if self.lora:
+            state = dict(merged_named_tensors(state.items(), lora_scaling_of(self.module)))
         if self.rank == 0:
             config = copy.deepcopy(self.hf_config)
             config.use_cache = True

@@ -19,7 +19,7 @@ from vlrl.protocol import PromptBatch, RolloutBatch
 if TYPE_CHECKING:
     from vlrl.rollout.base import RolloutEngine
     from vlrl.workers.actor import Actor
-    from vlrl.workers.reference import Reference
+    from vlrl.workers.reference import AdapterOffReference, Reference
 
 
 class RankWorker:
@@ -40,7 +40,7 @@ class RankWorker:
         # built by setup(), which the driver calls once the world is up
         self.actor: Actor
         self.rollout: RolloutEngine
-        self.reference: Reference | None = None
+        self.reference: Reference | AdapterOffReference | None = None
 
     def setup(self, limit_images: int, optimizer_steps: int) -> dict[str, float]:
         """Load the models and the engine, then give the engine the actor's weights.
@@ -50,14 +50,19 @@ class RankWorker:
         from vlrl.models.processor import load_processor
         from vlrl.rollout import create_rollout_engine
         from vlrl.workers.actor import Actor
-        from vlrl.workers.reference import Reference
+        from vlrl.workers.reference import AdapterOffReference, Reference
 
         model = self.config.worker.actor.model
         tokenizer, processor = load_processor(
             model.tokenizer_path or model.model_path, self.config.data.override_chat_template
         )
         self.actor = Actor(self.config, model.model_path, processor, self.device, total_steps=optimizer_steps)
-        if self.config.use_reference:
+        if self.config.use_reference and model.lora.rank > 0:
+            # the actor's base weights with the adapters off: no second copy of the model
+            self.reference = AdapterOffReference(
+                self.actor, self.config.worker.ref.micro_batch_size_per_device_for_experience
+            )
+        elif self.config.use_reference:
             # shares the actor's per-step cache of image tensors: each image is processed once
             self.reference = Reference(
                 self.config, model.model_path, processor, self.device, vision_cache=self.actor.vision
@@ -124,6 +129,7 @@ class RankWorker:
         if self.rank == 0:
             self.actor.hf_config.save_pretrained(os.path.join(path, "hf_config"))
             self.actor.tokenizer_or_processor().save_pretrained(os.path.join(path, "hf_config"))
+            self.actor.save_adapter_config(os.path.join(path, "hf_config"))
 
     def load_checkpoint(self, path: str) -> dict[str, float]:
         self.actor.load_checkpoint(path)

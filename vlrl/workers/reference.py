@@ -13,6 +13,7 @@ model stays sharded over all ranks; the data is split over `dp_size = world / sp
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from vlrl.config import FSDPConfig, ModelConfig, PPOConfig
 from vlrl.models.loading import is_vision_model, load_model
+from vlrl.models.lora import apply_lora
 from vlrl.models.packing import LogProbOutput, build_packed_inputs, build_padded_inputs, forward_log_probs
 from vlrl.models.sampling import SamplingDistribution, banned_token_ids
 from vlrl.models.ulysses import build_sequence_parallel, head_errors
@@ -36,6 +38,8 @@ from vlrl.workers.fsdp import (
     world_info,
 )
 from vlrl.workers.vision import VisionCache, dummy_image_anchor, text_anchor
+
+logger = logging.getLogger(__name__)
 
 
 class ShardedModel:
@@ -147,6 +151,9 @@ class ShardedModel:
         )
         if not trainable:
             model.requires_grad_(False)
+        elif model_cfg.lora.rank > 0:
+            # adapters on the text decoder's linears; every base weight is frozen (vlrl.models.lora)
+            model = apply_lora(model, model_cfg.lora)
         full = model.state_dict() if rank0_init and self.rank == 0 else None
         apply_fsdp(model, self.device, fsdp_cfg)
         if rank0_init:
@@ -246,14 +253,17 @@ class ShardedModel:
         )
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
+    def compute_log_probs(
+        self, batch: RolloutBatch, temperature: float, micro_batch_size: int | None = None
+    ) -> Tensor:
         """Log-probs [N, R] (fp32, CPU) of `batch.responses` under this model; 0 on padding.
 
-        Taken on the sampling distribution at `temperature` (banned tokens removed)."""
+        Taken on the sampling distribution at `temperature` (banned tokens removed), in micro-batches
+        of `micro_batch_size` samples (default: this model's experience micro-batch size)."""
         self.module.eval()
         image_anchor = self.any_rank_has_images(batch)
         out = torch.zeros(batch.responses.shape, dtype=torch.float32)
-        for rows in self.plan_micro_batches(batch, self.micro_batch_size):
+        for rows in self.plan_micro_batches(batch, micro_batch_size or self.micro_batch_size):
             result = self.forward_micro_batch(batch.select(rows), temperature, image_anchor)
             if rows:
                 out[rows] = result.log_probs.cpu()
@@ -302,7 +312,9 @@ class Reference(ShardedModel):
         if self.offload:
             move_params(self.module, "cpu")
 
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
+    def compute_log_probs(
+        self, batch: RolloutBatch, temperature: float, micro_batch_size: int | None = None
+    ) -> Tensor:
         """Reference log-probs [N, R]; loads the weights onto the device for the call when offloaded.
 
         Pass the actor's `vision_cache` at construction to reuse its pixel values (else a private
@@ -311,10 +323,44 @@ class Reference(ShardedModel):
         if self.offload:
             move_params(self.module, self.device)
         try:
-            return super().compute_log_probs(batch, temperature)
+            return super().compute_log_probs(batch, temperature, micro_batch_size)
         finally:
             reshard(self.module)  # no backward follows: free what the forward gathered
             if self.offload:
                 move_params(self.module, "cpu")
             if self.vision is not None and self.owns_vision_cache:
                 self.vision.clear()  # nobody else reads a private cache: free its pixels now
+
+
+class AdapterOffReference:
+    """The reference policy of a LoRA actor: the actor's own model with its adapters switched off.
+
+    LoRA never changes the base weights, so the base model is exactly the initial policy: no second
+    copy of the weights is loaded. `worker.ref.micro_batch_size_per_device_for_experience` applies;
+    the rest of `worker.ref` (padding-free mode, fsdp, offload) has no weights of its own to act on.
+    """
+
+    def __init__(self, actor: ShardedModel, micro_batch_size: int | None) -> None:
+        self.actor = actor
+        self.micro_batch_size = micro_batch_size
+        ref = actor.config.worker.ref
+        unused = {
+            "worker.ref.offload.offload_params": ref.offload.offload_params,
+            "worker.ref.padding_free": ref.padding_free not in (None, actor.padding_free),
+            "worker.ref.fsdp": ref.fsdp != actor.config.worker.actor.fsdp,
+        }
+        if any(unused.values()):
+            logger.info(
+                "LoRA: the reference policy is the actor with its adapters off, so %s do not apply "
+                "(the actor's settings do)",
+                ", ".join(k for k, v in unused.items() if v),
+            )
+
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
+        """Reference log-probs [N, R]: the actor's forward with every adapter disabled."""
+        module: Any = self.actor.module  # an FSDP-sharded peft.PeftModel
+        with module.disable_adapter():
+            try:
+                return self.actor.compute_log_probs(batch, temperature, self.micro_batch_size)
+            finally:
+                reshard(module)  # no backward follows: free what the forward gathered
