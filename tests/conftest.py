@@ -1,6 +1,9 @@
 """Shared test setup: offline, in-process vLLM engines, quiet logs."""
 
 import os
+from pathlib import Path
+
+import pytest
 
 # Nothing may be downloaded: every model and dataset is built by the tests themselves.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,3 +15,23 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> list[str]:
+    """Config overrides that make a valid 2-rank CPU config (model folder and reward file need only exist)."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def main(inputs):\n    return [{'overall': 0.0} for _ in inputs]\n")
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    return [
+        f"worker.actor.model.model_path={tmp_path}",
+        f"worker.reward.reward_function={reward}:main",
+        f"data.train_files={data}",
+        "data.rollout_batch_size=8",
+        "worker.actor.global_batch_size=4",
+        "worker.actor.micro_batch_size_per_device_for_update=2",
+        "worker.rollout.n=4",
+        "trainer.n_gpus_per_node=2",
+        "trainer.device=cpu",
+    ]

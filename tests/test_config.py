@@ -10,26 +10,6 @@ from vlrl.config_loader import describe, field_docs, load_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def base(tmp_path: Path) -> list[str]:
-    """Overrides that make a valid config (model folder and reward file need only exist)."""
-    reward = tmp_path / "reward.py"
-    reward.write_text("def main(inputs):\n    return [{'overall': 0.0} for _ in inputs]\n")
-    data = tmp_path / "train.jsonl"
-    data.write_text("")
-    return [
-        f"worker.actor.model.model_path={tmp_path}",
-        f"worker.reward.reward_function={reward}:main",
-        f"data.train_files={data}",
-        "data.rollout_batch_size=8",
-        "worker.actor.global_batch_size=4",
-        "worker.actor.micro_batch_size_per_device_for_update=2",
-        "worker.rollout.n=4",
-        "trainer.n_gpus_per_node=2",
-        "trainer.device=cpu",
-    ]
-
-
 def test_defaults_yaml_then_overrides(tmp_path: Path, base: list[str]) -> None:
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text(
