@@ -105,3 +105,18 @@ def test_vllm_generates_with_an_image(tiny_dirs: dict[str, Path]) -> None:
     assert all(len(o.outputs[0].token_ids) > 0 for o in outputs)
     # the engine expanded the single image pad into the image's tokens (56x56 -> 2x2 merged = 4)
     assert len(outputs[0].prompt_token_ids) == len(llm.get_tokenizer().encode(prompt)) + 3
+
+
+def test_tool_tokens_make_the_demo_call_short_and_leave_the_default_vocabulary_alone() -> None:
+    from vlrl.models.tiny import SIZES, TOOL_CALL_TEXTS, build_tokenizer
+
+    plain = build_tokenizer(SIZES["tiny"].vocab)
+    tools = build_tokenizer(SIZES["tiny"].vocab, tool_tokens=True)
+    call = "<tool_call>" + TOOL_CALL_TEXTS[0] + "</tool_call>"
+    # a sampled call must survive temperature 1: ~8 tokens, not 17 single characters
+    assert len(tools.encode(call, add_special_tokens=False)) <= 8
+    assert len(plain.encode(TOOL_CALL_TEXTS[0], add_special_tokens=False)) > 12
+    assert tools.decode(tools.encode(call, add_special_tokens=False)) == call
+    # default models (all other tests and recipes) keep their exact vocabulary
+    plain_again = build_tokenizer(SIZES["tiny"].vocab)
+    assert plain.get_vocab() == plain_again.get_vocab() and len(plain) == 629

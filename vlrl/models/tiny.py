@@ -72,8 +72,14 @@ SIZES = {
 }
 
 
-def _corpus() -> list[str]:
-    """Text to train the BPE on: the words our synthetic tasks, prompts and rewards use."""
+# Tool-call JSON the multi-turn demo and tests write; in the corpus only with `tool_tokens=True`, so
+# a call is ~8 tokens (`{"`, `name`, `":`, ...) instead of ~17 single characters.
+TOOL_CALL_TEXTS = ('{"name": "reveal"}', '{"name": "reveal", "arguments": {}}')
+
+
+def _corpus(tool_tokens: bool = False) -> list[str]:
+    """Text to train the BPE on: the words our synthetic tasks, prompts and rewards use (and, with
+    `tool_tokens`, the tool-call JSON)."""
     colours = "red green blue yellow purple orange black white pink brown gray cyan".split()
     shapes = "circle square triangle star ellipse rectangle shape shapes".split()
     words = (
@@ -87,6 +93,8 @@ def _corpus() -> list[str]:
     lines += [f"{a} + {b} = {a + b}" for a in range(12) for b in range(12)]
     lines += ["<think> reasoning </think> <answer> 42 </answer>", "\\boxed{\\frac{1}{2}} x^2 + y^2 = z^2"]
     lines += [" ".join(map(str, range(k, k + 10))) for k in range(0, 100, 10)]
+    if tool_tokens:
+        lines += list(TOOL_CALL_TEXTS)
     return lines * 4
 
 
@@ -108,7 +116,7 @@ def build_tokenizer(vocab_size: int, tool_tokens: bool = False):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus(tool_tokens), trainer=trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     if tool_tokens:
         tok.add_tokens(list(TOOL_TOKENS))
