@@ -76,7 +76,12 @@ def token_bounds(total: int, sp: SequenceParallel) -> tuple[int, int]:
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single over dim 0 (equal chunks); its transpose is the same exchange."""
+    """all_to_all_single over dim 0 (equal chunks); its transpose is the same exchange.
+
+    Device note (torch 2.13, torch/distributed/distributed_c10d.py::all_to_all_single, marked
+    experimental there): on gloo the call blocks on CPU tensors; on NCCL it is queued on the current
+    CUDA stream and needs the tensors on this rank's device, so `out` is allocated like `x`. Only the
+    gloo path has run (tests/actor/test_ulysses.py); an SP group needs two GPUs to test NCCL."""
 
     @staticmethod
     def forward(ctx, x: Tensor, group: Any) -> Tensor:
