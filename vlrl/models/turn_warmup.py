@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from vlrl.models.warmup import supervised_step
+
 
 @dataclass
 class Segment:
@@ -98,13 +100,6 @@ def fit_segments(
         if all_images and processor is not None:
             pixels = processor.image_processor(images=all_images, do_resize=False, return_tensors="pt")
             kwargs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
-        logits = model(**kwargs).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
-        )
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+        losses.append(supervised_step(model, optimizer, kwargs, labels))
     model.save_pretrained(model_dir)
     return {"loss_first": losses[0], "loss_last": losses[-1], "seconds": time.perf_counter() - start}

@@ -121,14 +121,7 @@ def warm_up_answer_format(
         texts = [p + a + end_of_turn for p, a in zip(prompts, chosen, strict=True)]
         enc = _encode(tokenizer, processor, texts, images)
         labels = _answer_labels(enc["input_ids"], enc["attention_mask"].sum(1), [targets[a] for a in chosen])
-        logits = model(**enc).logits[:, :-1]  # [B, T-1, V] predicts tokens 1..T-1
-        loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
-        )
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+        losses.append(supervised_step(model, optimizer, enc, labels))
     model.save_pretrained(model_dir)
     stats = {"loss_first": losses[0], "loss_last": losses[-1], "seconds": time.perf_counter() - start}
     record = {
@@ -171,3 +164,15 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def supervised_step(
+    model: Any, optimizer: torch.optim.Optimizer, inputs: dict[str, Any], labels: torch.Tensor
+) -> float:
+    """One next-token cross-entropy step on `labels` [B, T] (-100: not trained); returns the loss."""
+    logits = model(**inputs).logits[:, :-1]  # [B, T-1, V] predicts tokens 1..T-1
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
