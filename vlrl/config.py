@@ -554,6 +554,13 @@ class PPOConfig(_Section):
         return self.data.rollout_batch_size * self.worker.rollout.n
 
     @property
+    def optimizer_steps_per_step(self) -> int:
+        """Actor optimizer steps per trainer step: mini-batches (rollout_batch_size /
+        global_batch_size) x ppo_epochs."""
+        actor = self.worker.actor
+        return max(self.data.rollout_batch_size // max(actor.global_batch_size, 1), 1) * actor.ppo_epochs
+
+    @property
     def samples_per_minibatch_per_rank(self) -> int:
         """Sequences each rank feeds one optimizer step."""
         return self.worker.actor.global_batch_size * self.worker.rollout.n // self.dp_size

@@ -14,7 +14,7 @@ import torch
 
 from vlrl.protocol import RolloutBatch
 from vlrl.trainer.metrics import PhaseTimer
-from vlrl.trainer.ray_trainer import RayPPOTrainer
+from vlrl.trainer.ppo_trainer import PPOTrainer
 
 
 def _config(rollout: int, mini: int | None, filtering: bool, n: int = 2, key: str = "acc") -> SimpleNamespace:
@@ -46,9 +46,9 @@ class _Prompts:
         return ids
 
 
-def _trainer(config: SimpleNamespace, solved: set[int], parts: str = "acc") -> RayPPOTrainer:
+def _trainer(config: SimpleNamespace, solved: set[int], parts: str = "acc") -> PPOTrainer:
     """A trainer whose generation scores prompt p's samples acc = 1 if p in solved, else alternating."""
-    trainer = RayPPOTrainer.__new__(RayPPOTrainer)
+    trainer = PPOTrainer.__new__(PPOTrainer)
     trainer.config = config
     trainer.global_step = 1
     trainer.data = _Prompts(config.data.mini_rollout_batch_size or config.data.rollout_batch_size)
@@ -123,7 +123,7 @@ def test_total_steps_as_easyr1_counts_them(mini: int | None, max_steps: int | No
     """32 prompts, 8 per step, 3 epochs; max_steps wins even past the epochs (the data repeats)."""
     config = _config(rollout=8, mini=mini, filtering=False)
     config.trainer.max_steps, config.trainer.total_epochs = max_steps, 3
-    trainer = RayPPOTrainer.__new__(RayPPOTrainer)
+    trainer = PPOTrainer.__new__(PPOTrainer)
     trainer.config = config
     trainer.data = SimpleNamespace(train_loader=[None] * (32 // (mini or 8)))
     assert trainer._total_steps() == expected

@@ -36,12 +36,12 @@ def run(argv: list[str]) -> int:
         print(f"[vlrl] config: {note}", file=sys.stderr, flush=True)
     if show:
         return 0
-    from vlrl.trainer.ray_trainer import RayPPOTrainer
+    from vlrl.trainer.ray_trainer import build_trainer
     from vlrl.trainer.summary import write_summary
 
     trainer = None
     try:
-        trainer = RayPPOTrainer(config)
+        trainer = build_trainer(config)
         history = trainer.fit()
         write_summary(history, config)
     finally:

@@ -60,17 +60,11 @@ TOKEN_METRICS = ("pg_clipfrac_higher", "pg_clipfrac_lower", "ppo_kl", "entropy")
 LOSS_METRICS = ("pg_loss", "kl_loss")
 
 
-def optimizer_steps_per_trainer_step(config: PPOConfig) -> int:
-    """Mini-batches per step x PPO epochs."""
-    minis = max(config.data.rollout_batch_size // max(config.worker.actor.global_batch_size, 1), 1)
-    return minis * config.worker.actor.ppo_epochs
-
-
 def default_total_steps(config: PPOConfig) -> int | None:
     """Optimizer steps of the whole run when `trainer.max_steps` is set, else None (unknown)."""
     if not config.trainer.max_steps:
         return None
-    return config.trainer.max_steps * optimizer_steps_per_trainer_step(config)
+    return config.trainer.max_steps * config.optimizer_steps_per_step
 
 
 class _UpdateStats:
@@ -174,7 +168,7 @@ class Actor(ShardedModel):
         """Optimizer steps of the whole run (for warm-up ratio and cosine); rebuilds the schedule."""
         self.total_steps = total_steps
         self.scheduler = build_lr_scheduler(
-            self.optimizer, self.cfg.optim, total_steps or 0, optimizer_steps_per_trainer_step(self.config)
+            self.optimizer, self.cfg.optim, total_steps or 0, self.config.optimizer_steps_per_step
         )
 
     def _check_schedule(self) -> None:

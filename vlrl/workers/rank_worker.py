@@ -142,7 +142,7 @@ class RankWorker:
         return probe_shared_path(marker, token, self.rank)
 
     def shutdown(self) -> None:
-        if self.rollout is not None:
+        if hasattr(self, "rollout"):  # set up (an in-process group may stop before setup)
             self.rollout.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -1,0 +1,166 @@
+"""The trainer's logic without Ray: `PPOTrainer` over one real `RankWorker` in this process.
+
+Real parts throughout (tiny Qwen2.5-VL, FSDP2 actor on a gloo world of one, the HF rollout
+engine, reward worker processes); only Ray is left out, through `InProcessRanks`. Each test
+checks a piece of the driver's bookkeeping against a value computed by hand from what the step
+logged or returned.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlrl.config_loader import load_config
+from vlrl.rewards import RewardRunner
+from vlrl.trainer.data_setup import TrainingData
+from vlrl.trainer.metrics import PhaseTimer
+from vlrl.trainer.ppo_trainer import PPOTrainer
+from vlrl.trainer.ranks import InProcessRanks
+
+REPO = Path(__file__).resolve().parents[2]
+
+# overall = 1 for the colours in SOLVED (a group of such prompts has all-equal rewards and online
+# filtering drops it), else the share of vowels in the response (varies between samples).
+REWARD = """
+SOLVED = {solved}
+def compute_score(inputs):
+    return [{{'overall': 1.0 if x.ground_truth in SOLVED else
+              sum(c in 'aeiou' for c in x.response) / max(len(x.response), 1)}} for x in inputs]
+"""
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from vlrl.data.synthetic import make_shapes_dataset
+    from vlrl.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("ppo_trainer")
+    model = build_tiny_model(root / "model", arch="qwen2_5_vl", seed=0, min_pixels=3136, max_pixels=3136)
+    train, _ = make_shapes_dataset(root / "data", n_train=48, n_val=4, seed=0, task="colour")
+    return {"root": root, "model": model, "train": Path(train)}
+
+
+def _trainer(assets: dict[str, Path], tmp_path: Path, *overrides: str, solved: str = "set()") -> PPOTrainer:
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD.format(solved=solved))
+    config = load_config([
+        f"config={REPO / 'examples' / 'quickstart.yaml'}",
+        f"worker.actor.model.model_path={assets['model']}",
+        f"data.train_files={assets['train']}", "data.val_files=",
+        f"data.format_prompt={REPO / 'format_prompts' / 'shapes.jinja'}",
+        "data.min_pixels=3136", "data.max_pixels=3136", "data.max_response_length=6",
+        "data.rollout_batch_size=4", "worker.actor.global_batch_size=2", "worker.rollout.n=4",
+        "worker.actor.micro_batch_size_per_device_for_update=4",
+        "worker.rollout.name=hf", "worker.reward.reward_type=batch",
+        f"worker.reward.reward_function={reward}:compute_score",
+        f"trainer.save_checkpoint_path={tmp_path / 'run'}", "trainer.max_steps=2",
+        "trainer.logger=[file]", "trainer.plot_path=null",
+        *overrides,
+    ])  # fmt: skip
+    return PPOTrainer(
+        config,
+        TrainingData(config),
+        RewardRunner(config.worker.reward),
+        lambda: InProcessRanks.single_rank(config),
+    )
+
+
+@pytest.fixture
+def make(assets: dict[str, Path], tmp_path: Path):
+    """`make(*overrides, solved=...)` -> a set-up trainer, closed after the test."""
+    made: list[PPOTrainer] = []
+
+    def build(*overrides: str, solved: str = "set()") -> PPOTrainer:
+        made.append(_trainer(assets, tmp_path, *overrides, solved=solved))
+        return made[-1]
+
+    yield build
+    for trainer in made:
+        trainer.close()
+
+
+class _CountingData:
+    """Counts the loader batches the trainer draws (one per generation round)."""
+
+    def __init__(self, data: TrainingData) -> None:
+        self.data, self.batches = data, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.data, name)
+
+    def next_train_batch(self):
+        self.batches += 1
+        return self.data.next_train_batch()
+
+
+def test_online_filtering_refills_the_batch_with_unsolved_groups(make) -> None:
+    trainer = make(
+        "algorithm.online_filtering=true", "algorithm.filter_key=overall", "data.mini_rollout_batch_size=2",
+        solved="{'red', 'green'}",
+    )  # fmt: skip
+    trainer.data = counting = _CountingData(trainer.data)
+    batch, _, metrics = trainer._generate_scored_batch(PhaseTimer())
+    groups = batch.group_ids.tolist()
+    assert len(batch) == 16 and len(set(groups)) == 4  # rollout_batch_size groups of n, excess cut
+    assert not {"red", "green"} & set(batch.ground_truths)  # every solved group was dropped
+    assert metrics["filter/tries"] == counting.batches >= 2  # ~half the prompts are solved
+    for g in set(groups):  # kept groups have a reward spread (the filter's bounds are 0.01, 0.99)
+        overall = [p["overall"] for p, gid in zip(batch.scored_parts(), groups) if gid == g]
+        assert max(overall) > min(overall) or 0.01 < overall[0] < 0.99
+
+
+def test_too_many_filtered_rounds_is_an_error(make) -> None:
+    trainer = make(
+        "algorithm.online_filtering=true", "algorithm.filter_key=overall", "trainer.max_try_make_batch=2",
+        solved="{'red', 'green', 'blue', 'yellow'}",
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="kept 0 of 4 groups after 2 generation rounds"):
+        trainer._generate_scored_batch(PhaseTimer())
+
+
+def test_remax_baseline_is_the_greedy_response_reward(make) -> None:
+    # Sampling from the top token only (top_k=1) gives the greedy response: each reward equals its baseline.
+    trainer = make("algorithm.adv_estimator=remax", "worker.rollout.top_k=1", "worker.rollout.n=2")
+    batch, baselines, _ = trainer._generate_scored_batch(PhaseTimer())
+    overall = torch.tensor([p["overall"] for p in batch.scored_parts()])
+    assert baselines is not None and baselines.shape == (8,)
+    assert torch.equal(baselines, overall) and bool((overall > 0).any())
+    for g in set(batch.group_ids.tolist()):  # one baseline per prompt
+        assert len(set(baselines[batch.group_ids == g].tolist())) == 1
+
+
+def test_kl_in_the_reward_follows_the_adaptive_controller(make) -> None:
+    trainer = make(
+        "algorithm.disable_kl=false", "algorithm.use_kl_loss=false", "algorithm.kl_type=adaptive",
+        "algorithm.kl_coef=0.1", "algorithm.kl_target=0.01", "algorithm.kl_horizon=100",
+        "worker.actor.optim.lr=1e-2",
+    )  # fmt: skip
+    coef = 0.1
+    for step in (1, 2):
+        trainer.global_step = step
+        metrics = trainer.train_step()
+        error = min(max(metrics["critic/kl"] / 0.01 - 1.0, -0.2), 0.2)
+        coef *= 1.0 + error * 16 / 100  # n_steps = samples of the step
+        assert metrics["critic/kl_coef"] == pytest.approx(coef, rel=1e-12)
+        if step == 1:  # the actor is the reference before its first update
+            assert metrics["critic/kl"] == 0.0
+    assert metrics["critic/kl"] > 0.0  # one update later it is not
+
+
+def test_on_policy_update_skips_the_old_log_prob_pass(make) -> None:
+    trainer = make("worker.actor.global_batch_size=4", "worker.actor.ppo_epochs=1")
+    assert trainer.config.on_policy_update
+    calls: list[str] = []
+    worker = trainer.ranks.workers[0]
+    for name in ("compute_log_probs", "update"):
+        method = getattr(worker, name)
+        setattr(worker, name, lambda *a, _m=method, _n=name, **k: (calls.append(_n), _m(*a, **k))[1])
+    trainer.global_step = 1
+    metrics = trainer.train_step()
+    assert calls == ["update"]  # no old (and, KL off, no reference) pass
+    # the update's own log-probs are the old ones: ratio 1, nothing clipped
+    assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac_higher"] == 0.0
+    assert "rollout/log_prob_diff_mean" in metrics  # engine vs the update's old log-probs

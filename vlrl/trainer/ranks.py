@@ -1,0 +1,65 @@
+"""What the trainer needs from its ranks, and a group that runs them in the driver's own process.
+
+`PPOTrainer` calls its ranks only through `call` / `call_all` / `shutdown`, so anything with those
+three methods can stand in for the Ray `RankGroup`: `InProcessRanks` runs worker objects one after
+another in this process. With one real `RankWorker` (world size 1) that is the whole training step
+without Ray, which is how the trainer's logic is unit-tested (tests/trainer/test_ppo_trainer.py).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Protocol
+
+from vlrl.config import PPOConfig
+
+
+class Ranks(Protocol):
+    """One remote call per rank, results by rank (see `vlrl.trainer.ray_workers.RankGroup`)."""
+
+    def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]: ...
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InProcessRanks:
+    """Worker objects called in turn in this process.
+
+    Calls are sequential, so the workers must not wait on each other: one real `RankWorker`
+    (its collectives have a world of one), or test workers without collectives."""
+
+    def __init__(self, workers: list[Any]) -> None:
+        self.workers = workers
+
+    @classmethod
+    def single_rank(cls, config: PPOConfig) -> InProcessRanks:
+        """One `RankWorker` in this process: a torch.distributed world of size 1 on a free local port."""
+        from vlrl.workers.rank_worker import RankWorker
+
+        if config.world_size != 1:
+            raise ValueError(
+                f"an in-process rank group has one rank; the config asks for {config.world_size}"
+            )
+        return cls([RankWorker(config, 0, 1, "127.0.0.1", _free_port())])
+
+    def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
+        return [
+            getattr(worker, method)(*(args[rank] for args in per_rank), **kwargs)
+            for rank, worker in enumerate(self.workers)
+        ]
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.call(method, *([arg] * len(self.workers) for arg in args), **kwargs)
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            if hasattr(worker, "shutdown"):
+                worker.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
