@@ -68,6 +68,28 @@ class SampleBatch:
         """Each row repeated `repeats` times, copies adjacent (a GRPO group stays contiguous)."""
         return self.select([i for i in range(len(self)) for _ in range(repeats)])
 
+    def row_values(self) -> dict[str, list[Any]]:
+        """{field: [its value for each row]} of the filled per-row fields (a tensor field gives its
+        rows, a list field its entries); `from_rows` puts them back together."""
+        out: dict[str, list[Any]] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f.name] = list(value.unbind(0))
+            elif isinstance(value, list):
+                out[f.name] = list(value)
+        return out
+
+    @classmethod
+    def from_rows(cls: type[B], rows: dict[str, list[Any]], **scalars: Any) -> B:
+        """The batch whose rows are `rows` (as `row_values` gives them); tensor rows are stacked.
+        `scalars`: the fields that are not per row (e.g. prompt_length)."""
+        values = {
+            name: torch.stack(items) if items and isinstance(items[0], torch.Tensor) else list(items)
+            for name, items in rows.items()
+        }
+        return cls(**values, **scalars)
+
     @classmethod
     def concat(cls: type[B], batches: list[B]) -> B:
         """Rows of all `batches` in order. Tensors must share trailing shapes (pad first)."""
@@ -132,3 +154,16 @@ class RolloutBatch(SampleBatch):
     def response_lengths(self) -> torch.Tensor:
         """[N] number of valid response tokens."""
         return self.response_mask.sum(-1)
+
+
+ROW_FIELDS = tuple(f.name for f in fields(RolloutBatch) if f.name != "prompt_length")
+"""The per-row fields of a RolloutBatch: the columns of a rank's `ExperienceStore`."""
+
+
+@dataclass
+class KeptRows:
+    """An update's shard when the rank already holds its rows (kept by the log-prob pass): their ids
+    and the columns the driver computed since, e.g. {"advantages": [rows, R]}."""
+
+    rows: list[int]
+    columns: dict[str, torch.Tensor]

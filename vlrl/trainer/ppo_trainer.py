@@ -21,14 +21,16 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from vlrl.algorithms import apply_kl_penalty, compute_advantages, filter_groups, make_kl_controller
 from vlrl.config import PPOConfig
+from vlrl.image_refs import ImageRefs
 from vlrl.models.sampling import truncation_warning
-from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.protocol import KeptRows, PromptBatch, RolloutBatch
 from vlrl.rewards import build_reward_inputs, scores_to_token_level
 from vlrl.trainer.checkpoint import CheckpointManager, check_shared_filesystem, read_state
 from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, split_prompts
@@ -51,8 +53,16 @@ class PPOTrainer:
     `close`); `start_ranks`: called once the driver-side checks passed, returns the (not yet set up)
     ranks."""
 
-    def __init__(self, config: PPOConfig, data: Any, rewards: Any, start_ranks: Callable[[], Ranks]) -> None:
+    def __init__(
+        self,
+        config: PPOConfig,
+        data: Any,
+        rewards: Any,
+        start_ranks: Callable[[], Ranks],
+        image_refs: ImageRefs | None = None,
+    ) -> None:
         self.config = config
+        self.image_refs = image_refs  # batches carry image references, not pixels (vlrl.image_refs)
         self.data = data
         self.tokenizer = data.tokenizer
         self.rewards = rewards
@@ -145,11 +155,14 @@ class PPOTrainer:
             # 3. old and reference log-probs, on token-balanced shards
             # (on-policy: no old pass, the update's own log-probs are the old ones; only the reference)
             n, on_policy = len(batch), self.config.on_policy_update
-            if not on_policy or self.config.use_reference:
+            shards = balanced_shards(batch, world, self.config.worker.actor.ulysses_size)
+            kept = not on_policy or self.config.use_reference  # the ranks keep their rows for the update
+            if kept:
                 with timer("old_ref"):
-                    shards = balanced_shards(batch, world, self.config.worker.actor.ulysses_size)
                     shard_batches = [batch.select(i) for i in shards]
-                    results = self.ranks.call("compute_log_probs", shard_batches, with_old=not on_policy)
+                    results = self.ranks.call(
+                        "compute_log_probs", shard_batches, shards, with_old=not on_policy
+                    )
                     if not on_policy:
                         batch.old_log_probs = gather_rows(shards, [old for old, _ in results], n)
                     if results[0][1] is not None:
@@ -172,17 +185,32 @@ class PPOTrainer:
                 )  # fmt: skip
             # 6. actor update, then weight sync to the engines
             with timer("update"):
-                shards = balanced_shards(batch, world, self.config.worker.actor.ulysses_size)
-                results = self.ranks.call("update", [batch.select(i) for i in shards])
+                results = self.ranks.call("update", self._update_shards(batch, shards, kept))
                 if on_policy:  # the update computed them (for the rollout/log_prob_diff metrics)
                     batch.old_log_probs = gather_rows(shards, [old for _, old in results], n)
             metrics.update(_mean_over_ranks([m for m, _ in results]))
+        if self.image_refs is not None:
+            self.image_refs.clear()  # the ranks' updates released theirs
         metrics.update(batch_metrics(batch, self.config.data.max_response_length))
         metrics.update(self._check_drift(metrics))
         metrics.update(timer.metrics())
         metrics.update(throughput_metrics(batch, timer.seconds["step"], world))
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
+
+    @staticmethod
+    def _update_shards(
+        batch: RolloutBatch, shards: list[list[int]], kept: bool
+    ) -> list[RolloutBatch | KeptRows]:
+        """Each rank's update input: when the log-prob pass kept the rows there, just their ids and
+        the advantages [rows, R] (the rest is on the rank); else the whole shard."""
+        if not kept:
+            return [batch.select(rows) for rows in shards]
+        advantages = batch.tensor("advantages")
+        return [
+            KeptRows(rows, {"advantages": advantages[torch.as_tensor(rows, dtype=torch.long)]})
+            for rows in shards
+        ]
 
     def _check_drift(self, metrics: dict[str, float]) -> dict[str, float]:
         """Warn when the engine's log-probs and the actor's disagree (see log_prob_diff_warn)."""
@@ -203,6 +231,8 @@ class PPOTrainer:
         rollout = self.config.worker.rollout
         seed = _step_seed(rollout.seed, self.global_step) + round_ * 1_000_003
         overrides = {"seed": seed, **(overrides or {})}
+        if self.image_refs is not None:
+            prompts = replace(prompts, images=self.image_refs.to_refs(prompts.images))
         shards = split_prompts(prompts, self.config.world_size, rollout.tensor_parallel_size)
         results = self.ranks.call("generate", shards, overrides=overrides)
         return merge_rollouts(results, rollout.tensor_parallel_size, self.data.pad_token_id)
@@ -317,6 +347,9 @@ class PPOTrainer:
         metrics = mean_reward_parts(parts, "val")
         metrics["val/response_length"] = sum(lengths) / max(len(lengths), 1)
         metrics.update(multi_turn_metrics(trajectories, "val_multi_turn"))
+        if self.image_refs is not None:
+            self.image_refs.clear()
+            self.ranks.call_all("release_images")
         metrics["timing/validation"] = time.perf_counter() - start
         if samples:
             self.tracker.log_generations(

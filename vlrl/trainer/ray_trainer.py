@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vlrl.config import PPOConfig
+from vlrl.image_refs import ImageRefs
 from vlrl.rewards import RewardRunner
 from vlrl.trainer.data_setup import TrainingData
 from vlrl.trainer.ppo_trainer import PPOTrainer
@@ -19,4 +20,4 @@ def build_trainer(config: PPOConfig) -> PPOTrainer:
         start_ray(config)
         return RankGroup(config)
 
-    return PPOTrainer(config, data, rewards, start_ranks)
+    return PPOTrainer(config, data, rewards, start_ranks, image_refs=ImageRefs.ray())

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vlrl.config import PPOConfig
-from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.experience import ExperienceStore
+from vlrl.image_refs import ImageRefs
+from vlrl.protocol import ROW_FIELDS, KeptRows, PromptBatch, RolloutBatch
 
 if TYPE_CHECKING:
     from vlrl.rollout.base import RolloutEngine
@@ -41,6 +43,12 @@ class RankWorker:
         self.actor: Actor
         self.rollout: RolloutEngine
         self.reference: Reference | AdapterOffReference | None = None
+        # this step's shard, kept by the log-prob pass for the update (which then gets only the
+        # advantages from the driver); emptied by the update
+        self.experience = ExperienceStore(ROW_FIELDS)
+        self.kept_prompt_length = 0
+        # under Ray, batches carry image references (vlrl.image_refs); in-process, the images themselves
+        self.image_refs = ImageRefs.ray() if _under_ray() else None
 
     def setup(self, limit_images: int, optimizer_steps: int) -> dict[str, float]:
         """Load the models and the engine, then give the engine the actor's weights.
@@ -85,6 +93,7 @@ class RankWorker:
 
         The actor's shards leave the GPU first (`worker.actor.offload`) and the allocator's cached
         blocks are released, so the engine can wake into that memory; they come back afterwards."""
+        prompts.images = self._fetch_images(prompts.images)
         self.actor.offload_to_cpu()
         _release_cached_memory(self.device)
         try:
@@ -93,25 +102,64 @@ class RankWorker:
             self.rollout.sleep()
         finally:
             self.actor.load_to_device()
+        if self.image_refs is not None:  # the driver gets references back (tool images are stored here)
+            batch.images = self.image_refs.to_refs(batch.images)
         return batch
 
+    def release_images(self) -> None:
+        """Drop this rank's hold on the step's images (the driver calls it after validation; an
+        update does it itself)."""
+        if self.image_refs is not None:
+            self.image_refs.clear()
+
+    def _fetch_images(self, images: list[list[Any]]) -> list[list[Any]]:
+        return images if self.image_refs is None else self.image_refs.resolve(images)
+
     def compute_log_probs(
-        self, batch: RolloutBatch, with_old: bool = True
+        self, batch: RolloutBatch, keep_rows: list[int] | None = None, with_old: bool = True
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Old-policy (unless not `with_old`) and (when KL is on) reference log-probs: [N, R] or None."""
+        """Old-policy (unless not `with_old`) and (when KL is on) reference log-probs: [N, R] or None.
+
+        `keep_rows`: the step's row ids of `batch`; the rows and their log-probs are kept for the
+        update, which the driver then sends `KeptRows` instead of the whole shard again."""
+        batch.images = self._fetch_images(batch.images)
         temperature = self.config.worker.rollout.temperature
         old = self.actor.compute_log_probs(batch, temperature) if with_old else None
         ref = self.reference.compute_log_probs(batch, temperature) if self.reference is not None else None
+        if keep_rows is not None:
+            batch.old_log_probs, batch.ref_log_probs = old, ref
+            self.experience.drop()  # a step that failed before its update leaves nothing behind
+            self.experience.write(keep_rows, **batch.row_values())
+            self.kept_prompt_length = batch.prompt_length
         return old, ref
 
-    def update(self, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor | None]:
+    def update(self, batch: RolloutBatch | KeptRows) -> tuple[dict[str, float], torch.Tensor | None]:
         """One PPO update on this rank's shard, then push the new weights to the engine.
 
         Returns the metrics and the old log-probs [N, R] (computed by the update itself when the
         batch came without them: `config.on_policy_update`)."""
-        metrics = self.actor.update_policy(batch)
+        if isinstance(batch, KeptRows):
+            batch = self._kept_batch(batch)
+        else:
+            batch.images = self._fetch_images(batch.images)
+        try:
+            metrics = self.actor.update_policy(batch)
+        finally:
+            self.experience.drop()
+            self.release_images()
         metrics.update(self.sync_weights())
         return metrics, batch.old_log_probs
+
+    def _kept_batch(self, kept: KeptRows) -> RolloutBatch:
+        """The shard the log-prob pass kept, in `kept.rows` order, with the driver's new columns.
+        Optional fields that were None then are None again (they were never written)."""
+        filled = self.experience.written_columns(kept.rows)
+        batch = RolloutBatch.from_rows(
+            self.experience.read(kept.rows, filled), prompt_length=self.kept_prompt_length
+        )
+        for name, value in kept.columns.items():
+            setattr(batch, name, value)
+        return batch
 
     def sync_weights(self) -> dict[str, float]:
         from vlrl.rollout import sync_weights
@@ -146,6 +194,12 @@ class RankWorker:
             self.rollout.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _under_ray() -> bool:
+    import ray
+
+    return ray.is_initialized()
 
 
 def process_group_backend(device: str) -> str:

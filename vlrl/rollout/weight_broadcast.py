@@ -1,0 +1,160 @@
+"""Weights from the training ranks to separate rollout ranks (asynchronous mode), by broadcast.
+
+When the engines do not live on the training ranks (`worker.hybrid_engine=false`), the weights
+cross between two torch.distributed worlds. `WeightBroadcast` is a process group of its own,
+made from a TCP store and not the default group (each side keeps its own default world: FSDP on
+the training ranks, vLLM's on the rollout ranks): member 0 is training rank 0, members 1..k are the
+rollout ranks.
+
+One sync (`send` on every training rank, `receive` on every rollout rank, at the same time):
+1. every training rank walks the actor's full tensors (FSDP all-gathers are collectives of the
+   training world); rank 0 converts them to the engines' dtype and packs them into flat byte
+   buckets of at most `bucket_mb` MiB;
+2. rank 0 broadcasts each bucket; every rollout rank unpacks it into views of the received buffer
+   and hands them to its engine's `load_weights`.
+The layout (names, shapes, dtypes, bucket bounds) is fixed for a run; it is written to the store
+once, at the first sync, and read once by each receiver.
+
+Backends: gloo on CPU, NCCL on CUDA. A standalone group is built directly from the store
+(torch 2.13, torch/csrc/distributed/c10d/init.cpp binds `ProcessGroupGloo(store, rank, size,
+timeout)` and `ProcessGroupNCCL(store, rank, size, options)`); NCCL needs each member's CUDA device
+set first (it binds the communicator to the current device) and broadcasts CUDA tensors, so on
+GPU the buckets are packed on the device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+LAYOUT_KEY = "vlrl/weight_layout"
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # bytes into its bucket
+    nbytes: int
+
+
+def make_group(host: str, port: int, member: int, members: int, device: str, timeout_minutes: float) -> Any:
+    """The broadcast group; member 0 hosts the store (training rank 0)."""
+    from torch.distributed import TCPStore
+
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = TCPStore(host, port, members, is_master=member == 0, timeout=timeout)
+    if device == "cuda":
+        from torch.distributed import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return store, ProcessGroupNCCL(store, member, members, options)
+    from torch.distributed import ProcessGroupGloo
+
+    return store, ProcessGroupGloo(store, member, members, timeout)
+
+
+class WeightBroadcast:
+    """One side of the trainer -> engines weight broadcast (see the module docstring)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        member: int,
+        members: int,
+        device: str = "cpu",
+        timeout_minutes: float = 30.0,
+    ) -> None:
+        self.member, self.device = member, torch.device("cuda" if device == "cuda" else "cpu")
+        self.store, self.group = make_group(host, port, member, members, device, timeout_minutes)
+        self.layout: list[list[TensorSlot]] | None = None
+
+    # ------------------------------------------------------------------ training side
+    def send(
+        self, named: Iterator[tuple[str, torch.Tensor]], bucket_mb: float, dtype: torch.dtype | None
+    ) -> dict[str, float]:
+        """Every training rank calls this with the actor's full tensors (a collective walk); only
+        member 0 (training rank 0) packs and broadcasts. Returns {"sync/bytes": ...}."""
+        if self.member != 0:
+            for _ in named:  # join the training world's all-gathers, send nothing
+                pass
+            return {"sync/bytes": 0.0}
+        limit = int(bucket_mb * (1 << 20))
+        sent, size, index = 0, 0, 0
+        bucket: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in named:
+            tensor = tensor.detach()
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > limit:
+                sent += self._send_bucket(bucket, index)
+                bucket, size, index = [], 0, index + 1
+            bucket.append((name, tensor.contiguous()))
+            size += nbytes
+        if bucket:
+            sent += self._send_bucket(bucket, index)
+        self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device))  # "no more buckets"
+        return {"sync/bytes": float(sent)}
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], index: int) -> int:
+        """Broadcast "one more bucket", its byte count, then its bytes; the first sync also writes the
+        bucket's slots to the store (before its bytes, so a receiver never waits on them)."""
+        flat, slots, offset = [], [], 0
+        for name, tensor in bucket:
+            raw = tensor.reshape(-1).view(torch.uint8)
+            slots.append(TensorSlot(name, tuple(tensor.shape), tensor.dtype, offset, raw.numel()))
+            flat.append(raw)
+            offset += raw.numel()
+        if self.layout is None or index >= len(self.layout):
+            self.layout = [*(self.layout or []), slots]
+            self.store.set(f"{LAYOUT_KEY}/{index}", pickle.dumps(slots))
+        self._broadcast(torch.ones(1, dtype=torch.uint8, device=self.device))
+        self._broadcast(torch.tensor([offset], dtype=torch.int64, device=self.device))
+        self._broadcast(torch.cat(flat).to(self.device))
+        return offset
+
+    # ------------------------------------------------------------------ rollout side
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of one sync, bucket by bucket (pass it to the engine's `load_weights`)."""
+        index = 0
+        while True:
+            more = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            self._broadcast(more)
+            if int(more.item()) == 0:
+                return
+            size = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._broadcast(size)
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+            self._broadcast(buffer)
+            for slot in self._slots(index):
+                raw = buffer[slot.offset : slot.offset + slot.nbytes]
+                yield slot.name, raw.view(slot.dtype).reshape(slot.shape)
+            index += 1
+
+    def _slots(self, index: int) -> list[TensorSlot]:
+        """Bucket `index`'s slots: read from the store once, at the first sync."""
+        layout = self.layout if self.layout is not None else []
+        if index >= len(layout):
+            layout.append(pickle.loads(self.store.get(f"{LAYOUT_KEY}/{index}")))
+        self.layout = layout
+        return layout[index]
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        self.group.broadcast([tensor], _root_zero()).wait()
+
+
+def _root_zero() -> Any:
+    from torch.distributed import BroadcastOptions
+
+    options = BroadcastOptions()
+    options.rootRank = 0
+    return options
