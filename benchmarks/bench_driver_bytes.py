@@ -92,7 +92,12 @@ class CountingRanks:
     """A rank group whose calls add their serialised arguments and results to `counts[method]`."""
 
     def __init__(self, ranks: Any, counts: dict[str, int]) -> None:
-        self.ranks, self.counts = ranks, counts
+        self.ranks, self.counts, self.workers = ranks, counts, ranks.workers
+
+    def submit(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Any:
+        from vlrl.trainer.ranks import Done
+
+        return Done(self.call(method, *per_rank, **kwargs))
 
     def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
         results = self.ranks.call(method, *per_rank, **kwargs)
@@ -100,7 +105,7 @@ class CountingRanks:
         return results
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return self.call(method, *([arg] * len(self.ranks.workers) for arg in args), **kwargs)
+        return self.call(method, *([arg] * len(self.workers) for arg in args), **kwargs)
 
     def shutdown(self) -> None:
         self.ranks.shutdown()
@@ -110,7 +115,8 @@ def quickstart_bytes(after: bool, steps: int = 2) -> dict[str, int]:
     from vlrl.config_loader import load_config
     from vlrl.rewards import RewardRunner
     from vlrl.trainer.data_setup import TrainingData
-    from vlrl.trainer.ray_workers import RankGroup, start_ray
+    from vlrl.trainer.ranks import RankRoles
+    from vlrl.trainer.ray_workers import start_rank_groups, start_ray
 
     counts: dict[str, int] = defaultdict(int)
     with tempfile.TemporaryDirectory(prefix="bench_bytes_") as workdir:
@@ -119,9 +125,10 @@ def quickstart_bytes(after: bool, steps: int = 2) -> dict[str, int]:
             f"trainer.save_checkpoint_path={workdir}", "trainer.plot_path=null",
         ])  # fmt: skip
 
-        def start() -> CountingRanks:
+        def start() -> RankRoles:
             start_ray(config)
-            return CountingRanks(RankGroup(config), counts)
+            ranks = CountingRanks(start_rank_groups(config).train, counts)
+            return RankRoles(ranks, ranks)
 
         data = TrainingData(config)
         trainer = PPOTrainer(

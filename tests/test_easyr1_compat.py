@@ -99,7 +99,7 @@ def test_reference_follows_the_actor_unless_set(base: list[str]) -> None:
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("worker.hybrid_engine=false", "worker.hybrid_engine=false: separate actor/rollout/reference workers"),
+        ("worker.hybrid_engine=false", "worker.hybrid_engine=false: the actor and reference always share their ranks"),
         ("worker.actor.strategy=megatron", "worker.actor.strategy='megatron': only fsdp"),
         ("worker.ref.strategy=megatron", "worker.ref.strategy='megatron': only fsdp"),
         ("worker.actor.fsdp.fsdp_size=1", "worker.actor.fsdp.fsdp_size=1: hybrid sharding"),

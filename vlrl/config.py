@@ -124,6 +124,11 @@ class AlgorithmConfig(_Section):
     """Adaptive KL controller horizon."""
     kl_target: float = 0.1
     """Adaptive KL controller target KL."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: each token's advantage is scaled by min(pi_old / pi_rollout,
+    tis_cap), the (detached) ratio of the actor's old log-prob to the engine's, so the update corrects
+    for the gap between the policy that sampled and the one being trained (asynchronous mode's
+    lag, or engine numerics). Needs worker.rollout.calculate_log_probs. None: off."""
     online_filtering: bool = False
     """DAPO dynamic sampling: drop groups whose mean `filter_key` reward is not in (filter_low, filter_high)."""
     filter_key: str = "overall"
@@ -404,6 +409,14 @@ class RolloutConfig(_Section):
     """Keep vLLM from logging its engine statistics (throughput, KV-cache use) periodically."""
     sync_bucket_mb: int = 256
     """Weight-sync bucket size in MiB: bounds the extra memory of one sync."""
+    async_ranks: int = 0
+    """Asynchronous mode when > 0: the last `async_ranks` ranks only generate and the others only
+    train, so the generation of step k+1 overlaps the update of step k; after each update the
+    weights are broadcast to them (docs/async.md). 0: every rank trains and generates, one phase
+    after the other (the default)."""
+    max_staleness: int = 1
+    """Asynchronous mode: how many updates the sampling policy may lag behind the policy being
+    trained. 1: one-step-off-policy (generation overlaps the update); 0: no lag and no overlap."""
     val_override_config: dict[str, Any] = field(default_factory=dict)
     """Sampling overrides for validation (keys: n, temperature, top_p, top_k, seed, ignore_eos);
     empty: validation samples as training does."""
@@ -438,7 +451,8 @@ class RewardConfig(_Section):
 @dataclass
 class WorkerConfig(_Section):
     hybrid_engine: bool = True
-    """Actor, rollout and reference share each rank. Only true is supported (false fails at start-up)."""
+    """Actor, rollout and reference share each rank. Only true is supported (false fails at start-up;
+    separate rollout ranks are `worker.rollout.async_ranks`)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -549,6 +563,16 @@ class PPOConfig(_Section):
         return self.trainer.nnodes * self.trainer.n_gpus_per_node
 
     @property
+    def train_world_size(self) -> int:
+        """Ranks that train: all of them, or all but `worker.rollout.async_ranks` in asynchronous mode."""
+        return self.world_size - self.worker.rollout.async_ranks
+
+    @property
+    def rollout_world_size(self) -> int:
+        """Ranks that generate: all of them, or `worker.rollout.async_ranks` in asynchronous mode."""
+        return self.worker.rollout.async_ranks or self.world_size
+
+    @property
     def samples_per_step(self) -> int:
         """Sequences generated per step: prompts x n."""
         return self.data.rollout_batch_size * self.worker.rollout.n
@@ -569,7 +593,7 @@ class PPOConfig(_Section):
     def dp_size(self) -> int:
         """Data-parallel groups of the actor: ranks / worker.actor.ulysses_size (a group's ranks get
         the same rows)."""
-        return self.world_size // max(self.worker.actor.ulysses_size, 1)
+        return self.train_world_size // max(self.worker.actor.ulysses_size, 1)
 
     @property
     def on_policy_update(self) -> bool:
@@ -578,7 +602,9 @@ class PPOConfig(_Section):
         old-log-prob pass and the update takes its own log-probs, detached, as the old ones."""
         actor, algo = self.worker.actor, self.algorithm
         single_step = actor.ppo_epochs == 1 and actor.global_batch_size >= self.data.rollout_batch_size
-        return single_step and (algo.disable_kl or algo.use_kl_loss)
+        # the driver needs the old log-probs for truncated IS (and async mode's policy-gap metrics)
+        lagged = self.worker.rollout.async_ranks > 0 or algo.tis_cap is not None
+        return single_step and (algo.disable_kl or algo.use_kl_loss) and not lagged
 
     @property
     def use_reference(self) -> bool:

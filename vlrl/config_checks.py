@@ -28,6 +28,7 @@ def check_config(config: PPOConfig) -> list[str]:
         _check_not_supported_yet,
         _check_algorithm,
         _check_rollout,
+        _check_async,
         _check_lora,
         _check_reward,
         _check_multi_turn,
@@ -63,7 +64,7 @@ def _check_lora(config: PPOConfig) -> list[str]:
 
 
 def _check_batch_sizes(config: PPOConfig) -> list[str]:
-    data, actor, n, world = config.data, config.worker.actor, config.worker.rollout.n, config.world_size
+    data, actor, n, world = config.data, config.worker.actor, config.worker.rollout.n, config.train_world_size
     errors = []
     positive = {
         "data.rollout_batch_size": data.rollout_batch_size,
@@ -120,7 +121,7 @@ def _check_batch_sizes(config: PPOConfig) -> list[str]:
 def _check_sequence_parallel(config: PPOConfig) -> list[str]:
     """worker.actor.ulysses_size: divides the world, packed rows only (the model's heads are checked
     when it is loaded, vlrl.models.ulysses.head_errors)."""
-    actor, world, size = config.worker.actor, config.world_size, config.worker.actor.ulysses_size
+    actor, world, size = config.worker.actor, config.train_world_size, config.worker.actor.ulysses_size
     if size < 1:
         return [f"worker.actor.ulysses_size={size} must be >= 1"]
     errors = []
@@ -139,12 +140,12 @@ def _check_sequence_parallel(config: PPOConfig) -> list[str]:
 
 def _check_not_supported_yet(config: PPOConfig) -> list[str]:
     """EasyR1 keys that load but whose other values name features vlrl does not have."""
-    worker, world = config.worker, config.world_size
+    worker, world = config.worker, config.train_world_size
     errors = []
     if not worker.hybrid_engine:
         errors.append(
-            "worker.hybrid_engine=false: separate actor/rollout/reference workers are not supported; "
-            "vlrl always runs them on the same ranks (set it to true)"
+            "worker.hybrid_engine=false: the actor and reference always share their ranks; for ranks that "
+            "only generate set worker.rollout.async_ranks (asynchronous mode, docs/async.md) and keep this true"
         )
     for key, strategy in (
         ("worker.actor.strategy", worker.actor.strategy),
@@ -213,8 +214,45 @@ def _check_algorithm(config: PPOConfig) -> list[str]:
     return errors
 
 
+def _check_async(config: PPOConfig) -> list[str]:
+    """worker.rollout.async_ranks / max_staleness and algorithm.tis_cap."""
+    rollout, algo = config.worker.rollout, config.algorithm
+    errors = []
+    if algo.tis_cap is not None and (algo.tis_cap <= 0 or not rollout.calculate_log_probs):
+        errors.append(
+            f"algorithm.tis_cap={algo.tis_cap} needs a cap > 0 and worker.rollout.calculate_log_probs=true "
+            "(the engine's log-probs are the denominator)"
+        )
+    if rollout.async_ranks == 0:
+        return errors
+    if not 0 < rollout.async_ranks < config.world_size:
+        errors.append(
+            f"worker.rollout.async_ranks={rollout.async_ranks} must leave at least one of the "
+            f"{config.world_size} ranks (trainer.nnodes x trainer.n_gpus_per_node) to train"
+        )
+    if rollout.max_staleness not in (0, 1):
+        errors.append(
+            f"worker.rollout.max_staleness={rollout.max_staleness}: 0 or 1 (a larger lag needs weights sent "
+            "while the engines generate, which is not built)"
+        )
+    if rollout.tensor_parallel_size != 1:
+        errors.append("asynchronous mode (worker.rollout.async_ranks) runs one engine per rollout rank: "
+                      "set worker.rollout.tensor_parallel_size=1")  # fmt: skip
+    if rollout.name != "vllm":
+        errors.append(
+            "asynchronous mode loads broadcast weights into vLLM engines: set worker.rollout.name=vllm"
+        )
+    if rollout.multi_turn.enable:
+        errors.append("asynchronous mode with multi-turn rollouts is not built: turn one of them off")
+    if config.worker.actor.model.lora.rank > 0:
+        errors.append(
+            "asynchronous mode with LoRA is not built (merged weights are broadcast by the hybrid sync only)"
+        )
+    return errors
+
+
 def _check_rollout(config: PPOConfig) -> list[str]:
-    rollout, data, world = config.worker.rollout, config.data, config.world_size
+    rollout, data, world = config.worker.rollout, config.data, config.rollout_world_size
     errors = []
     if rollout.name not in ("vllm", "hf"):
         errors.append(f"worker.rollout.name={rollout.name!r} is unknown; choose vllm or hf")

@@ -51,6 +51,7 @@ def _trainer(config: SimpleNamespace, solved: set[int], parts: str = "acc") -> P
     trainer = PPOTrainer.__new__(PPOTrainer)
     trainer.config = config
     trainer.global_step = 1
+    trainer.async_rollout = None
     trainer.data = _Prompts(config.data.mini_rollout_batch_size or config.data.rollout_batch_size)
     trainer.data.pad_token_id = 0
     n = config.worker.rollout.n

@@ -64,7 +64,7 @@ def _trainer(assets: dict[str, Path], tmp_path: Path, *overrides: str, solved: s
         config,
         TrainingData(config),
         RewardRunner(config.worker.reward),
-        lambda: InProcessRanks.single_rank(config),
+        lambda: InProcessRanks.single_rank(config).roles(),
     )
 
 

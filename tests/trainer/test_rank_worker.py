@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -27,6 +29,7 @@ class _Recorder:
 def _worker(calls: list[str], device: str, fail_on: str | None = None) -> RankWorker:
     worker = RankWorker.__new__(RankWorker)  # no process group needed for this phase
     worker.device = torch.device(device)
+    worker.role, worker.image_refs = "hybrid", None
     worker.actor = _Recorder(calls, "actor")
     worker.rollout = _Recorder(calls, "rollout", fail_on)
     return worker
@@ -35,7 +38,7 @@ def _worker(calls: list[str], device: str, fail_on: str | None = None) -> RankWo
 def test_actor_offloads_before_the_engine_wakes_and_returns_after(monkeypatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    assert _worker(calls, "cuda").generate(prompts=None) == "batch"
+    assert _worker(calls, "cuda").generate(prompts=SimpleNamespace(images=[])) == "batch"
     assert calls == [
         "actor.offload_to_cpu",
         "empty_cache",
@@ -49,14 +52,14 @@ def test_actor_offloads_before_the_engine_wakes_and_returns_after(monkeypatch) -
 def test_no_cuda_cache_release_on_cpu(monkeypatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    _worker(calls, "cpu").generate(prompts=None)
+    _worker(calls, "cpu").generate(prompts=SimpleNamespace(images=[]))
     assert "empty_cache" not in calls and calls[0] == "actor.offload_to_cpu"
 
 
 def test_actor_comes_back_when_generation_fails() -> None:
     calls: list[str] = []
     with pytest.raises(RuntimeError, match="engine failed"):
-        _worker(calls, "cpu", fail_on="generate").generate(prompts=None)
+        _worker(calls, "cpu", fail_on="generate").generate(prompts=SimpleNamespace(images=[]))
     assert calls[-1] == "actor.load_to_device"
 
 

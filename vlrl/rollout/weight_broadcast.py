@@ -81,12 +81,11 @@ class WeightBroadcast:
     def send(
         self, named: Iterator[tuple[str, torch.Tensor]], bucket_mb: float, dtype: torch.dtype | None
     ) -> dict[str, float]:
-        """Every training rank calls this with the actor's full tensors (a collective walk); only
-        member 0 (training rank 0) packs and broadcasts. Returns {"sync/bytes": ...}."""
+        """Member 0 (training rank 0) packs and broadcasts `named`, the actor's full tensors (the
+        other training ranks walk them too, for the all-gathers, but are not members). Returns
+        {"sync/bytes": ...}."""
         if self.member != 0:
-            for _ in named:  # join the training world's all-gathers, send nothing
-                pass
-            return {"sync/bytes": 0.0}
+            raise RuntimeError("only member 0 (training rank 0) sends weights")
         limit = int(bucket_mb * (1 << 20))
         sent, size, index = 0, 0, 0
         bucket: list[tuple[str, torch.Tensor]] = []

@@ -27,11 +27,13 @@ from typing import Any
 import torch
 
 from vlrl.algorithms import apply_kl_penalty, compute_advantages, filter_groups, make_kl_controller
+from vlrl.algorithms.importance import truncated_importance_weighting
 from vlrl.config import PPOConfig
 from vlrl.image_refs import ImageRefs
 from vlrl.models.sampling import truncation_warning
 from vlrl.protocol import KeptRows, PromptBatch, RolloutBatch
 from vlrl.rewards import build_reward_inputs, scores_to_token_level
+from vlrl.trainer.async_rollout import AsyncRollout, Prefetched
 from vlrl.trainer.checkpoint import CheckpointManager, check_shared_filesystem, read_state
 from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, split_prompts
 from vlrl.trainer.loggers import Tracker
@@ -43,7 +45,8 @@ from vlrl.trainer.metrics import (
     multi_turn_metrics,
     throughput_metrics,
 )
-from vlrl.trainer.ranks import Ranks
+from vlrl.trainer.ranks import Pending, RankRoles
+from vlrl.workers.rank_worker import check_same_banned_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ class PPOTrainer:
         config: PPOConfig,
         data: Any,
         rewards: Any,
-        start_ranks: Callable[[], Ranks],
+        start_ranks: Callable[[], RankRoles],
         image_refs: ImageRefs | None = None,
     ) -> None:
         self.config = config
@@ -82,12 +85,30 @@ class PPOTrainer:
         warning = truncation_warning(config.worker.rollout.top_p, config.worker.rollout.top_k)
         if warning:
             logger.warning(warning)
-        self.ranks = start_ranks()
+        self.roles = start_ranks()
+        self.ranks, self.engines = self.roles.train, self.roles.generate  # the same group unless async
         check_shared_filesystem(  # before the (long) model loading
             run_root,
             lambda *probe: self.ranks.call_all("probe_shared_path", *probe),
         )
-        self.ranks.call_all("setup", self.data.max_images_per_prompt, self._optimizer_steps())
+        self.async_rollout = self._setup_ranks()
+
+    def _setup_ranks(self) -> AsyncRollout | None:
+        """Load the models and engines (both roles at once in asynchronous mode, which then also
+        forms the weight-broadcast group and checks both roles ban the same tokens)."""
+        args = (self.data.max_images_per_prompt, self._optimizer_steps())
+        if not self.roles.separate:
+            self.ranks.call_all("setup", *args)
+            return None
+        for loading in [self.ranks.submit("setup", *([a] * len(self.ranks.workers) for a in args)),
+                        self.engines.submit("setup", *([a] * len(self.engines.workers) for a in args))]:  # fmt: skip
+            loading.result()
+        actor_banned = self.ranks.call_all("banned_token_ids")[0]
+        for engine_banned in self.engines.call_all("banned_token_ids"):
+            check_same_banned_tokens(engine_banned, actor_banned)
+        flow = AsyncRollout(self.roles, self.config.worker.rollout.max_staleness)
+        flow.connect(lambda: self.ranks.call_all("free_address")[0])
+        return flow
 
     def _total_steps(self) -> int:
         """`trainer.max_steps` when set (epochs then repeat as needed, as in EasyR1), else batches
@@ -183,6 +204,12 @@ class PPOTrainer:
                     gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std_in_grpo,
                     baseline_scores=baselines,
                 )  # fmt: skip
+                if algo.tis_cap is not None:
+                    batch.advantages, tis = truncated_importance_weighting(
+                        batch.advantages, batch.tensor("old_log_probs"), batch.tensor("rollout_log_probs"),
+                        batch.response_mask, algo.tis_cap,
+                    )  # fmt: skip
+                    metrics.update(tis)
             # 6. actor update, then weight sync to the engines
             with timer("update"):
                 results = self.ranks.call("update", self._update_shards(batch, shards, kept))
@@ -228,14 +255,30 @@ class PPOTrainer:
     ) -> RolloutBatch:
         """Responses for `prompts` from every rank's engine. `round_`: the generation round of this
         step (each round gets its own seed)."""
+        return self._merge(self._submit_generate(prompts, overrides, round_).result())
+
+    def _submit_generate(
+        self,
+        prompts: PromptBatch,
+        overrides: dict[str, Any] | None = None,
+        round_: int = 0,
+        step: int | None = None,
+    ) -> Pending:
+        """Start generating `prompts` on the engines for `step` (default: this one) and return at
+        once; `_merge` the result."""
         rollout = self.config.worker.rollout
-        seed = _step_seed(rollout.seed, self.global_step) + round_ * 1_000_003
+        step = self.global_step if step is None else step
+        seed = _step_seed(rollout.seed, step) + round_ * 1_000_003
         overrides = {"seed": seed, **(overrides or {})}
         if self.image_refs is not None:
             prompts = replace(prompts, images=self.image_refs.to_refs(prompts.images))
-        shards = split_prompts(prompts, self.config.world_size, rollout.tensor_parallel_size)
-        results = self.ranks.call("generate", shards, overrides=overrides)
-        return merge_rollouts(results, rollout.tensor_parallel_size, self.data.pad_token_id)
+        shards = split_prompts(prompts, self.config.rollout_world_size, rollout.tensor_parallel_size)
+        return self.engines.submit("generate", shards, overrides=overrides)
+
+    def _merge(self, per_rank: list[RolloutBatch]) -> RolloutBatch:
+        return merge_rollouts(
+            per_rank, self.config.worker.rollout.tensor_parallel_size, self.data.pad_token_id
+        )
 
     def _generate_scored_batch(
         self, timer: PhaseTimer
@@ -247,13 +290,18 @@ class PPOTrainer:
         algo, trainer = self.config.algorithm, self.config.trainer
         kept: list[RolloutBatch] = []
         baselines: list[torch.Tensor] = []
-        n_groups, tries, metrics = 0, 0, {}
+        n_groups, tries = 0, 0
+        metrics: dict[str, float] = {}
         target = self.config.data.rollout_batch_size
         while True:
             tries += 1
-            prompts = self.data.next_train_batch()
             with timer("gen"):
-                batch = self._generate(prompts, round_=tries - 1)
+                if tries == 1:
+                    prompts, batch, first_metrics = self._first_round()
+                    metrics.update(first_metrics)
+                else:
+                    prompts = self.data.next_train_batch()
+                    batch = self._generate(prompts, round_=tries - 1)
             with timer("reward"):
                 reward_metrics = self._score(batch)
             if not kept:
@@ -287,6 +335,31 @@ class PPOTrainer:
             merged = merged.select(list(range(size)))
         baseline = torch.cat(baselines)[:size] if baselines else None
         return merged, baseline, metrics
+
+    def _first_round(self) -> tuple[PromptBatch, RolloutBatch, dict[str, float]]:
+        """The step's first generation round. Asynchronous mode: the one submitted during the last
+        step (or generated now), after which the engines get the trainer's weights and the next
+        step's first round starts (vlrl.trainer.async_rollout)."""
+        flow = self.async_rollout
+        if flow is None:
+            prompts = self.data.next_train_batch()
+            return prompts, self._generate(prompts), {}
+        version = self.global_step - 1  # updates done: the trainer's weights
+        ahead = flow.take(self.global_step)
+        metrics = {}
+        if ahead is None:  # step 1, or a staleness bound of 0: generate now, with the current weights
+            metrics.update(flow.sync_engines(version))
+            prompts = self.data.next_train_batch()
+            ahead = Prefetched(self.global_step, prompts, version, batch=self._generate(prompts))
+        batch = ahead.result()
+        if self.image_refs is not None:  # a batch read from a checkpoint holds pixels
+            batch.images = self.image_refs.to_refs(batch.images)
+        metrics["async/staleness"] = float(version - ahead.version)
+        if flow.staleness > 0 and self.global_step < self.total_steps:
+            metrics.update(flow.sync_engines(version))
+            step, prompts_next = self.global_step + 1, self.data.next_train_batch()
+            flow.submit(step, prompts_next, self._submit_generate(prompts_next, step=step), self._merge)
+        return ahead.prompts, batch, metrics
 
     def _filter_values(self, batch: RolloutBatch) -> torch.Tensor:
         """Each sample's `algorithm.filter_key` reward part; an error naming the parts the reward
@@ -329,6 +402,8 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
+        if self.async_rollout is not None:  # validate the policy trained so far, not the engines' lag
+            self.async_rollout.sync_engines(self.global_step)
         overrides = dict(self.config.worker.rollout.val_override_config)
         parts: list[dict[str, float]] = []
         samples: list[dict[str, Any]] = []
@@ -349,7 +424,7 @@ class PPOTrainer:
         metrics.update(multi_turn_metrics(trajectories, "val_multi_turn"))
         if self.image_refs is not None:
             self.image_refs.clear()
-            self.ranks.call_all("release_images")
+            self.engines.call_all("release_images")
         metrics["timing/validation"] = time.perf_counter() - start
         if samples:
             self.tracker.log_generations(
@@ -372,6 +447,8 @@ class PPOTrainer:
 
         def write_actor(folder: str) -> None:
             self.ranks.call_all("save_checkpoint", folder, model_only)
+            if self.async_rollout is not None:  # the generation in flight, for an exact resume
+                self.async_rollout.save(os.path.dirname(folder), self._fetch_images)
 
         state = {
             "dataloader": self.data.state_dict(),
@@ -394,15 +471,21 @@ class PPOTrainer:
                 "resumed; start a new run from its actor/huggingface folder (worker.actor.model.model_path)"
             )
         self.ranks.call_all("load_checkpoint", os.path.join(path, "actor"))
+        if self.async_rollout is not None:
+            self.async_rollout.load(path)
         self.data.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
         self.global_step = state["global_step"]
         print(f"[vlrl] resumed from {path} at step {self.global_step}", flush=True)
 
+    def _fetch_images(self, images: list[list[Any]]) -> list[list[Any]]:
+        """Pixels of image references (to write them into a checkpoint)."""
+        return images if self.image_refs is None else self.image_refs.resolve(images)
+
     def close(self) -> None:
         self.tracker.close()
         self.rewards.close()
-        self.ranks.shutdown()
+        self.roles.shutdown()
 
 
 def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -9,19 +9,47 @@ without Ray, which is how the trainer's logic is unit-tested (tests/trainer/test
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from vlrl.config import PPOConfig
 
 
+class Pending(Protocol):
+    def result(self) -> list[Any]: ...
+
+
 class Ranks(Protocol):
-    """One remote call per rank, results by rank (see `vlrl.trainer.ray_workers.RankGroup`)."""
+    """One remote call per rank, results by rank (see `vlrl.trainer.ray_workers.RankGroup`);
+    `submit` starts the calls and returns at once, so the driver can overlap two groups' work."""
+
+    workers: list[Any]  # one handle per rank
 
     def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]: ...
+
+    def submit(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Pending: ...
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
 
     def shutdown(self) -> None: ...
+
+
+@dataclass
+class RankRoles:
+    """The trainer's ranks by role: `train` holds the actor (and reference), `generate` the engines.
+    The same group in the default (hybrid) mode; separate ones in asynchronous mode."""
+
+    train: Ranks
+    generate: Ranks
+
+    @property
+    def separate(self) -> bool:
+        return self.generate is not self.train
+
+    def shutdown(self) -> None:
+        if self.separate:
+            self.generate.shutdown()
+        self.train.shutdown()
 
 
 class InProcessRanks:
@@ -44,11 +72,19 @@ class InProcessRanks:
             )
         return cls([RankWorker(config, 0, 1, "127.0.0.1", _free_port())])
 
+    def roles(self) -> RankRoles:
+        """These ranks in both roles (the hybrid mode)."""
+        return RankRoles(self, self)
+
     def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
         return [
             getattr(worker, method)(*(args[rank] for args in per_rank), **kwargs)
             for rank, worker in enumerate(self.workers)
         ]
+
+    def submit(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Done:
+        """Runs the calls now (nothing overlaps in one process); `.result()` returns them."""
+        return Done(self.call(method, *per_rank, **kwargs))
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self.call(method, *([arg] * len(self.workers) for arg in args), **kwargs)
@@ -57,6 +93,16 @@ class InProcessRanks:
         for worker in self.workers:
             if hasattr(worker, "shutdown"):
                 worker.shutdown()
+
+
+@dataclass
+class Done:
+    """Results that are already there (`InProcessRanks.submit`)."""
+
+    results: list[Any]
+
+    def result(self) -> list[Any]:
+        return self.results
 
 
 def _free_port() -> int:

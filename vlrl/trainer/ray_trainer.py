@@ -7,7 +7,8 @@ from vlrl.image_refs import ImageRefs
 from vlrl.rewards import RewardRunner
 from vlrl.trainer.data_setup import TrainingData
 from vlrl.trainer.ppo_trainer import PPOTrainer
-from vlrl.trainer.ray_workers import RankGroup, start_ray
+from vlrl.trainer.ranks import RankRoles
+from vlrl.trainer.ray_workers import start_rank_groups, start_ray
 
 
 def build_trainer(config: PPOConfig) -> PPOTrainer:
@@ -16,8 +17,8 @@ def build_trainer(config: PPOConfig) -> PPOTrainer:
     data = TrainingData(config)
     rewards = RewardRunner(config.worker.reward)
 
-    def start_ranks() -> RankGroup:
+    def start_ranks() -> RankRoles:
         start_ray(config)
-        return RankGroup(config)
+        return start_rank_groups(config)
 
     return PPOTrainer(config, data, rewards, start_ranks, image_refs=ImageRefs.ray())

@@ -17,6 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vlrl.config import PPOConfig
+from vlrl.trainer.ranks import RankRoles
 
 # Engines run inside the rank's process (SPMD); tests and CPU runs want quiet, offline workers.
 WORKER_ENV = {
@@ -91,47 +92,23 @@ def check_cluster_fits(config: PPOConfig, resources: dict[str, float]) -> None:
 
 
 class RankGroup:
-    """The ranks of one training job, placed by a placement group (see `rank_placement`)."""
+    """Ray actors of one role, called in the open: one remote call per rank, results by rank."""
 
-    def __init__(self, config: PPOConfig) -> None:
-        from vlrl.workers.rank_worker import RankWorker
+    def __init__(self, workers: list[Any], placement: Any = None) -> None:
+        self.workers = workers
+        self.placement = placement  # removed by shutdown when this group owns it
 
-        world = config.world_size
-        gpu = config.trainer.device == "cuda"
-        check_cluster_fits(config, ray.cluster_resources())
-        layout = rank_placement(config)
-        self.placement = placement_group(layout.bundles, strategy=layout.strategy)
-        ray.get(self.placement.ready(), timeout=600)
-        strategy = [
-            PlacementGroupSchedulingStrategy(
-                self.placement, placement_group_bundle_index=layout.bundle_of_rank[i]
-            )
-            for i in range(world)
-        ]
-        # The rendezvous address is rank 0's node, learnt by a task placed where rank 0 will run.
-        master_ip, master_port = ray.get(
-            ray.remote(_free_port_and_ip).options(scheduling_strategy=strategy[0]).remote()
-        )
-        remote_cls = ray.remote(RankWorker)
-        self.workers = [
-            remote_cls.options(
-                scheduling_strategy=strategy[rank], num_cpus=1, num_gpus=1 if gpu else 0
-            ).remote(config, rank, world, master_ip, master_port)
-            for rank in range(world)
-        ]
-
-    def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
-        """`worker[r].method(per_rank[0][r], per_rank[1][r], ..., **kwargs)` on every rank; results by rank."""
+    def submit(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Pending:
+        """Start `worker[r].method(per_rank[0][r], ..., **kwargs)` on every rank; `.result()` waits."""
         refs = [
             getattr(worker, method).remote(*(args[rank] for args in per_rank), **kwargs)
             for rank, worker in enumerate(self.workers)
         ]
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayTaskError as exc:
-            raise WorkerError(f"rank worker failed in {method}: {root_cause(exc)}") from None
-        except ray.exceptions.ActorDiedError as exc:
-            raise WorkerError(f"a rank worker died during {method}: {exc}") from None
+        return Pending(method, refs)
+
+    def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
+        """`submit`, then wait: results by rank."""
+        return self.submit(method, *per_rank, **kwargs).result()
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """The same arguments on every rank."""
@@ -142,7 +119,64 @@ class RankGroup:
             ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
         for worker in self.workers:
             ray.kill(worker)
-        remove_placement_group(self.placement)
+        if self.placement is not None:
+            remove_placement_group(self.placement)
+
+
+@dataclass
+class Pending:
+    """Calls in flight on a group's ranks."""
+
+    method: str
+    refs: list[Any]
+
+    def result(self) -> list[Any]:
+        try:
+            return ray.get(self.refs)
+        except ray.exceptions.RayTaskError as exc:
+            raise WorkerError(f"rank worker failed in {self.method}: {root_cause(exc)}") from None
+        except ray.exceptions.ActorDiedError as exc:
+            raise WorkerError(f"a rank worker died during {self.method}: {exc}") from None
+
+
+def start_rank_groups(config: PPOConfig) -> RankRoles:
+    """Place the ranks (see `rank_placement`) and start one `RankWorker` each.
+
+    Hybrid (the default): one group, one torch.distributed world. Asynchronous mode
+    (`worker.rollout.async_ranks`): the first ranks train in their own world; each of the last
+    `async_ranks` ranks holds an engine in a world of its own."""
+    from vlrl.workers.rank_worker import RankWorker
+
+    check_cluster_fits(config, ray.cluster_resources())
+    layout = rank_placement(config)
+    placement = placement_group(layout.bundles, strategy=layout.strategy)
+    ray.get(placement.ready(), timeout=600)
+    strategy = [
+        PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=layout.bundle_of_rank[i])
+        for i in range(config.world_size)
+    ]
+    remote_cls = ray.remote(RankWorker)
+
+    def start(rank: int, *args: Any) -> Any:
+        gpu = config.trainer.device == "cuda"
+        return remote_cls.options(
+            scheduling_strategy=strategy[rank], num_cpus=1, num_gpus=1 if gpu else 0
+        ).remote(config, *args)
+
+    def address(rank: int) -> tuple[str, int]:
+        """A free port on the node where `rank` runs (a task placed there learns it)."""
+        return ray.get(ray.remote(_free_port_and_ip).options(scheduling_strategy=strategy[rank]).remote())
+
+    train_world = config.train_world_size
+    master_ip, master_port = address(0)  # the training world's rendezvous: rank 0's node
+    role = "hybrid" if train_world == config.world_size else "train"
+    train = RankGroup(
+        [start(r, r, train_world, master_ip, master_port, role) for r in range(train_world)], placement
+    )
+    if role == "hybrid":
+        return RankRoles(train, train)
+    rollout = [start(r, 0, 1, *address(r), "rollout") for r in range(train_world, config.world_size)]
+    return RankRoles(train, RankGroup(rollout))
 
 
 def root_cause(exc: BaseException) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +18,7 @@ from vlrl.config import PPOConfig
 from vlrl.experience import ExperienceStore
 from vlrl.image_refs import ImageRefs
 from vlrl.protocol import ROW_FIELDS, KeptRows, PromptBatch, RolloutBatch
+from vlrl.rollout.weight_broadcast import WeightBroadcast
 
 if TYPE_CHECKING:
     from vlrl.rollout.base import RolloutEngine
@@ -28,13 +30,24 @@ class RankWorker:
     """Wrapped with `ray.remote` by the trainer (see `vlrl.trainer.workers.start_rank_workers`)."""
 
     def __init__(
-        self, config: PPOConfig, rank: int, world_size: int, master_addr: str, master_port: int
+        self,
+        config: PPOConfig,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        role: str = "hybrid",
     ) -> None:
+        """`role`: hybrid (actor, reference and engine here), train (actor and reference only) or
+        rollout (the engine only; asynchronous mode, `worker.rollout.async_ranks`). `rank` and
+        `world_size` are those of this rank's own torch.distributed world: the training ranks', or
+        a rollout rank's world of one."""
         self.config = config
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.role = rank, world_size, role
         _init_process_group(
             config.trainer.device, rank, world_size, master_addr, master_port,
             timeout=datetime.timedelta(minutes=config.trainer.dist_timeout_minutes),
+            ranks_per_node=config.trainer.n_gpus_per_node,
         )  # fmt: skip
         self.device = torch.device(
             f"cuda:{torch.cuda.current_device()}" if config.trainer.device == "cuda" else "cpu"
@@ -49,6 +62,7 @@ class RankWorker:
         self.kept_prompt_length = 0
         # under Ray, batches carry image references (vlrl.image_refs); in-process, the images themselves
         self.image_refs = ImageRefs.ray() if _under_ray() else None
+        self.broadcast: WeightBroadcast | None = None  # asynchronous mode: training rank 0 and rollout ranks
 
     def setup(self, limit_images: int, optimizer_steps: int) -> dict[str, float]:
         """Load the models and the engine, then give the engine the actor's weights.
@@ -64,6 +78,13 @@ class RankWorker:
         tokenizer, processor = load_processor(
             model.tokenizer_path or model.model_path, self.config.data.override_chat_template
         )
+        if self.role != "train":
+            self.rollout = create_rollout_engine(
+                self.config.worker.rollout, self.config.data, model.model_path, tokenizer, processor,
+                limit_images=limit_images,
+            )  # fmt: skip
+        if self.role == "rollout":
+            return {}  # the weights come by broadcast before the first generation
         self.actor = Actor(self.config, model.model_path, processor, self.device, total_steps=optimizer_steps)
         if self.config.use_reference and model.lora.rank > 0:
             # the actor's base weights with the adapters off: no second copy of the model
@@ -75,17 +96,15 @@ class RankWorker:
             self.reference = Reference(
                 self.config, model.model_path, processor, self.device, vision_cache=self.actor.vision
             )
-        self.rollout = create_rollout_engine(
-            self.config.worker.rollout, self.config.data, model.model_path, tokenizer, processor,
-            limit_images=limit_images,
-        )  # fmt: skip
-        if tuple(self.rollout.banned_token_ids) != self.actor.banned_token_ids:
-            raise RuntimeError(
-                f"the rollout engine bans tokens {self.rollout.banned_token_ids} but the actor scores a "
-                f"distribution without {self.actor.banned_token_ids}: they must sample and score the same "
-                "policy (vlrl.models.sampling); check worker.actor.model.tokenizer_path"
-            )
+        if self.role == "train":
+            return {}
+        check_same_banned_tokens(self.rollout.banned_token_ids, self.actor.banned_token_ids)
         return self.sync_weights()
+
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """The tokens this rank's policy never samples: the engine's on a rollout rank, else the
+        actor's (the driver compares them across roles in asynchronous mode)."""
+        return tuple(self.rollout.banned_token_ids) if self.role == "rollout" else self.actor.banned_token_ids
 
     # ------------------------------------------------------------------------- step phases
     def generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch:
@@ -94,14 +113,17 @@ class RankWorker:
         The actor's shards leave the GPU first (`worker.actor.offload`) and the allocator's cached
         blocks are released, so the engine can wake into that memory; they come back afterwards."""
         prompts.images = self._fetch_images(prompts.images)
-        self.actor.offload_to_cpu()
-        _release_cached_memory(self.device)
+        hybrid = self.role == "hybrid"
+        if hybrid:
+            self.actor.offload_to_cpu()
+            _release_cached_memory(self.device)
         try:
             self.rollout.wake_up()
             batch = self.rollout.generate(prompts, overrides)
             self.rollout.sleep()
         finally:
-            self.actor.load_to_device()
+            if hybrid:
+                self.actor.load_to_device()
         if self.image_refs is not None:  # the driver gets references back (tool images are stored here)
             batch.images = self.image_refs.to_refs(batch.images)
         return batch
@@ -147,7 +169,8 @@ class RankWorker:
         finally:
             self.experience.drop()
             self.release_images()
-        metrics.update(self.sync_weights())
+        if self.role == "hybrid":
+            metrics.update(self.sync_weights())
         return metrics, batch.old_log_probs
 
     def _kept_batch(self, kept: KeptRows) -> RolloutBatch:
@@ -166,6 +189,48 @@ class RankWorker:
 
         return sync_weights(self.actor.module, self.rollout, self.config.worker.rollout.sync_bucket_mb)
 
+    # ------------------------------------------------------------------ asynchronous mode
+    def free_address(self) -> tuple[str, int]:
+        """This node's address and a free port on it (training rank 0 hosts the broadcast group)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def join_weight_broadcast(self, host: str, port: int, member: int | None, members: int) -> None:
+        """Training rank 0 (member 0) and every rollout rank (1..) join the broadcast group; all of
+        them must be in this call at once (the group's rendezvous). The other training ranks
+        (`member` None) are not members."""
+        if member is None:
+            return
+        self.broadcast = WeightBroadcast(
+            host, port, member, members, self.config.trainer.device, self.config.trainer.dist_timeout_minutes
+        )
+
+    def send_weights(self) -> dict[str, float]:
+        """Every training rank walks the actor's full tensors (FSDP all-gathers); rank 0 broadcasts
+        them in the engines' dtype, while every rollout rank is in `receive_weights`."""
+        from vlrl.rollout.vllm_engine import VLLM_DTYPES
+        from vlrl.rollout.weight_sync import full_named_tensors
+
+        start = time.perf_counter()
+        named = full_named_tensors(self.actor.module)
+        if self.broadcast is None:  # not a member: join the gathers only
+            for _ in named:
+                pass
+            return {}
+        dtype = getattr(torch, VLLM_DTYPES[self.config.worker.rollout.dtype])
+        metrics = self.broadcast.send(named, self.config.worker.rollout.sync_bucket_mb, dtype)
+        return {**metrics, "sync/time_s": time.perf_counter() - start}
+
+    def receive_weights(self) -> None:
+        """Load the weights training rank 0 broadcasts into this rollout rank's engine."""
+        assert self.broadcast is not None, "join_weight_broadcast first"
+        self.rollout.load_weights(self.broadcast.receive())
+
     # ------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str, model_only: bool) -> None:
         """Sharded actor state + the config/processor (for `vlrl.tools.model_merger`) written by rank 0;
@@ -181,7 +246,7 @@ class RankWorker:
 
     def load_checkpoint(self, path: str) -> dict[str, float]:
         self.actor.load_checkpoint(path)
-        return self.sync_weights()
+        return self.sync_weights() if self.role == "hybrid" else {}
 
     def probe_shared_path(self, marker: str, token: str) -> tuple[bool, str]:
         """Whether this rank sees the driver's checkpoint folder (`check_shared_filesystem`)."""
@@ -194,6 +259,16 @@ class RankWorker:
             self.rollout.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def check_same_banned_tokens(engine: tuple[int, ...] | list[int], actor: tuple[int, ...]) -> None:
+    """The engine must sample the distribution the actor scores (vlrl.models.sampling)."""
+    if tuple(engine) != tuple(actor):
+        raise RuntimeError(
+            f"the rollout engine bans tokens {tuple(engine)} but the actor scores a distribution without "
+            f"{tuple(actor)}: they must sample and score the same policy (vlrl.models.sampling); check "
+            "worker.actor.model.tokenizer_path"
+        )
 
 
 def _under_ray() -> bool:
@@ -221,7 +296,13 @@ def _release_cached_memory(device: torch.device) -> None:
 
 
 def _init_process_group(
-    device: str, rank: int, world_size: int, master_addr: str, master_port: int, timeout: datetime.timedelta
+    device: str,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    timeout: datetime.timedelta,
+    ranks_per_node: int,
 ) -> None:
     """torch.distributed first (vLLM's external_launcher joins this world), from env vars.
 
@@ -238,7 +319,7 @@ def _init_process_group(
         backend = process_group_backend(device)
     else:
         # Share the machine's cores between the ranks instead of oversubscribing them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
         backend = process_group_backend(device)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)

@@ -1,0 +1,70 @@
+"""What each spawned process of tests/rollout/test_weight_broadcast.py runs.
+
+Member 0 is a training rank (its own gloo world, the model FSDP2-sharded in it); member 1 is a
+rollout rank with a vLLM engine (its own world, as vLLM's external_launcher wants); member 2 is a
+rollout rank that only records what it receives. Two syncs: the second reuses the first's layout.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from rollout_helpers import (
+    close_world,
+    data_config,
+    init_world,
+    load_hf_model,
+    perturb,
+    prompt_batch,
+    rollout_config,
+)
+
+from vlrl.rollout.weight_broadcast import WeightBroadcast
+
+
+def run(member: int, world_ports: list[int], group_port: int, model_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    init_world(0, 1, world_ports[member])  # each member's own world: the group is separate from it
+    group = WeightBroadcast("127.0.0.1", group_port, member, 3)
+    result: dict[str, object] = {}
+    if member == 0:
+        _train_side(group, model_dir, result)
+    elif member == 1:
+        _engine_side(group, model_dir, result)
+    else:
+        result["received"] = [{n: t.clone() for n, t in group.receive()} for _ in range(2)]
+    torch.save(result, Path(out_dir) / f"member{member}.pt")
+    close_world()
+
+
+def _train_side(group: WeightBroadcast, model_dir: str, result: dict[str, object]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from vlrl.rollout.weight_sync import full_named_tensors
+
+    model = load_hf_model(model_dir)
+    for seed in (4, 5):
+        perturb(model, seed=seed)  # "trained" further before each sync
+        sharded = copy.deepcopy(model)
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))  # DTensor parameters, as the actor has
+        metrics = group.send(full_named_tensors(sharded), bucket_mb=0.25, dtype=torch.float32)
+        result[f"bytes{seed}"] = metrics["sync/bytes"]
+    result["buckets"] = len(group.layout or [])
+
+
+def _engine_side(group: WeightBroadcast, model_dir: str, result: dict[str, object]) -> None:
+    from vlrl.models.processor import load_processor
+    from vlrl.rollout import create_rollout_engine
+
+    tokenizer, processor = load_processor(model_dir)
+    engine = create_rollout_engine(
+        rollout_config(max_num_seqs=16), data_config(), model_dir, tokenizer, processor
+    )
+    prompts = prompt_batch(model_dir)
+    for sync in (1, 2):
+        engine.load_weights(group.receive())
+        result[f"greedy{sync}"] = engine.generate(prompts, {"temperature": 0.0, "n": 1}).responses
+    engine.close()
