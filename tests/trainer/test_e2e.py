@@ -185,6 +185,32 @@ def test_kill_mid_step_and_resume_matches_uninterrupted_run(assets: dict[str, Pa
             assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
+def test_async_mode_trains_one_step_off_policy_and_resumes_exactly(
+    assets: dict[str, Path], tmp_path: Path
+) -> None:
+    # one training rank, one rollout rank; the checkpoint at step 2 holds step 3's generation
+    common = ["trainer.n_gpus_per_node=2", "worker.rollout.async_ranks=1", "trainer.save_freq=2",
+              "trainer.val_before_train=false", "trainer.val_freq=-1", "data.val_files=''",
+              "trainer.max_steps=3", "algorithm.tis_cap=2.0"]  # fmt: skip
+    full = tmp_path / "full"
+    _run(_args(assets, full, *common))
+    expected = _metrics(full)
+    assert [expected[s]["async/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    # step 1 samples with the broadcast initial weights: engine and actor agree
+    assert expected[1]["rollout/log_prob_diff_mean"] < 0.05
+    assert all(0 < expected[s]["async/tis_weight_mean"] <= 2.0 for s in (1, 2, 3))
+    assert (full / "global_step_2" / "prefetched.pt").is_file()
+
+    resumed = tmp_path / "resumed"
+    proc = _run(_args(assets, resumed, *common, f"trainer.load_checkpoint_path={full / 'global_step_2'}"))
+    assert "resumed from" in proc.stdout + proc.stderr
+    again = _metrics(resumed)
+    assert sorted(again) == [3]
+    for key in ("reward/overall", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
+                "rollout/log_prob_diff_mean", "async/staleness", "async/tis_weight_mean"):  # fmt: skip
+        assert again[3][key] == pytest.approx(expected[3][key], rel=1e-6, abs=1e-9), key
+
+
 def _safe_metrics(out: Path) -> dict[int, dict[str, float]]:
     try:
         return _metrics(out)

@@ -167,7 +167,7 @@ class PPOTrainer:
         return self.history
 
     def train_step(self) -> dict[str, float]:
-        algo, world = self.config.algorithm, self.config.world_size
+        algo, world = self.config.algorithm, self.config.train_world_size
         timer, metrics = PhaseTimer(), {}
         with timer("step"):
             # 1-2. draw prompts, generate and score until the batch holds rollout_batch_size groups
@@ -221,7 +221,7 @@ class PPOTrainer:
         metrics.update(batch_metrics(batch, self.config.data.max_response_length))
         metrics.update(self._check_drift(metrics))
         metrics.update(timer.metrics())
-        metrics.update(throughput_metrics(batch, timer.seconds["step"], world))
+        metrics.update(throughput_metrics(batch, timer.seconds["step"], self.config.world_size))
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
 

@@ -77,6 +77,7 @@ class InProcessRanks:
         return RankRoles(self, self)
 
     def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
+        check_one_per_rank(method, per_rank, len(self.workers))
         return [
             getattr(worker, method)(*(args[rank] for args in per_rank), **kwargs)
             for rank, worker in enumerate(self.workers)
@@ -103,6 +104,13 @@ class Done:
 
     def result(self) -> list[Any]:
         return self.results
+
+
+def check_one_per_rank(method: str, per_rank: tuple[list[Any], ...], ranks: int) -> None:
+    """Each per-rank argument list must have one entry per rank (a longer one would be cut silently)."""
+    for args in per_rank:
+        if len(args) != ranks:
+            raise ValueError(f"{method}: {len(args)} per-rank arguments for {ranks} ranks")
 
 
 def _free_port() -> int:

@@ -17,7 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vlrl.config import PPOConfig
-from vlrl.trainer.ranks import RankRoles
+from vlrl.trainer.ranks import RankRoles, check_one_per_rank
 
 # Engines run inside the rank's process (SPMD); tests and CPU runs want quiet, offline workers.
 WORKER_ENV = {
@@ -100,6 +100,7 @@ class RankGroup:
 
     def submit(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Pending:
         """Start `worker[r].method(per_rank[0][r], ..., **kwargs)` on every rank; `.result()` waits."""
+        check_one_per_rank(method, per_rank, len(self.workers))
         refs = [
             getattr(worker, method).remote(*(args[rank] for args in per_rank), **kwargs)
             for rank, worker in enumerate(self.workers)
