@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 KNOWN_LOGGERS = ("console", "file", "wandb", "tensorboard", "swanlab", "mlflow")
 # logger -> the package it needs (checked at start-up, not at the first log call)
 LOGGER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "swanlab": "swanlab", "mlflow": "mlflow"}
-SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "seed", "ignore_eos", "max_tokens")
 
 
 def check_config(config: PPOConfig) -> list[str]:
@@ -286,6 +285,8 @@ def _check_rollout(config: PPOConfig) -> list[str]:
             f"worker.rollout.temperature={rollout.temperature} must be > 0: training needs sampled responses "
             "and their log-probs (greedy decoding belongs in worker.rollout.val_override_config)"
         )
+    from vlrl.rollout.sampling_keys import SAMPLING_KEYS  # the engines' rule (a light module)
+
     bad = sorted(set(rollout.val_override_config) - set(SAMPLING_KEYS))
     if bad:
         errors.append(

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from vlrl.config_checks import SAMPLING_KEYS  # one list of override keys for config checks and engines
 from vlrl.models.sampling import VISION_TOKENS, banned_token_ids  # noqa: F401 (engines' ban list)
 from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.rollout.sampling_keys import SAMPLING_KEYS
 from vlrl.rollout.weight_sync import SyncStats, bucketize
 
 DEFAULT_LIMIT_IMAGES = 4  # images per prompt when neither the config nor the trainer says
