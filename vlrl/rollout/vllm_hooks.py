@@ -247,8 +247,11 @@ def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
     vLLM 0.32 (vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py) calls
     `moe_kernel.fused_experts.process_weights_after_loading(layer)` only when it first sets up
     the kernel; for `CPUUnquantizedExperts` that step reorders w13/w2 ([E, 2I, H], [E, H, I],
-    shapes kept) into the kernel's blocked layout. A reload leaves them plain.
+    shapes kept) into the kernel's blocked layout. A reload leaves them plain. CUDA models: 0.
     """
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu":
+        return 0
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     count = 0
