@@ -138,6 +138,16 @@ def test_moe_flops_count_active_parameters_only():
     assert decoder_matmul_params(every_other) == 3 * 192 + 240 + 2 * 384 + 80  # only layer 1 sparse
 
 
+def test_qwen3_vl_30b_a3b_counts_3b_active_of_30b():
+    """Qwen3-VL-30B-A3B's published text shapes: the name's 3B active / 30B total parameters."""
+    text = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                intermediate_size=6144, num_hidden_layers=48, vocab_size=151936, num_experts=128,
+                num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    active = decoder_matmul_params(SimpleNamespace(**text))
+    every_expert = decoder_matmul_params(SimpleNamespace(**{**text, "num_experts_per_tok": 128}))
+    assert 2.9e9 < active < 3.2e9 and 29.5e9 < every_expert < 31e9
+
+
 def test_moe_flops_match_the_tiny_models_weights(actor_model):
     """Active parameters from the config == the real model's matmul weights with each layer's
     experts counted top_k / num_experts times (all experts exist; a token uses top_k of them)."""

@@ -32,7 +32,7 @@ def test_two_ranks_train_the_moe_model_with_vllm_rollouts(
 ) -> None:
     out = tmp_path / "run"
     _run(_args(moe_assets, out, "trainer.n_gpus_per_node=2", "trainer.val_before_train=false",
-               "trainer.val_freq=-1", "trainer.save_freq=-1", "trainer.max_steps=2"))  # fmt: skip
+               "trainer.val_freq=-1", "trainer.save_freq=2", "trainer.max_steps=2"))  # fmt: skip
     metrics = _metrics(out)
     assert sorted(metrics) == [1, 2]
     for row in metrics.values():
@@ -40,3 +40,24 @@ def test_two_ranks_train_the_moe_model_with_vllm_rollouts(
         # vLLM sampled with the synced MoE weights what the actor scores (step 2: after an update)
         assert abs(row["rollout/log_prob_diff_mean"]) < 0.05, row
         assert row["perf/actor_mfu"] > 0
+    _check_merged_export(out / "global_step_2" / "actor", moe_assets["model"])
+
+
+def _check_merged_export(actor_dir: Path, initial: Path) -> None:
+    """The merged checkpoint holds the trained experts in Qwen's layout, which transformers loads."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from vlrl.tools.model_merger import merge
+
+    merged = Path(merge(str(actor_dir)))
+    name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    before, after = (
+        load_file(initial / "model.safetensors")[name],
+        load_file(merged / "model.safetensors")[name],
+    )
+    assert after.shape == before.shape  # [E, H, 2I] like the starting folder, not transformers' [E, 2I, H]
+    assert not torch.equal(after, before)
+    model = AutoModelForImageTextToText.from_pretrained(merged)
+    assert torch.equal(model.state_dict()[name], after.transpose(1, 2).to(model.dtype))
