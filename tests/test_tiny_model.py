@@ -15,7 +15,7 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {
         arch: build_tiny_model(root / arch, arch=arch)
-        for arch in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen2")
+        for arch in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2")
     }
 
 
@@ -37,7 +37,7 @@ def _inputs(arch: str, path: Path):
     return tokenizer, text, tokenizer(text, return_tensors="pt")
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen2"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2"])
 def test_transformers_round_trip(tiny_dirs: dict[str, Path], arch: str) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -120,3 +120,25 @@ def test_tool_tokens_make_the_demo_call_short_and_leave_the_default_vocabulary_a
     # default models (all other tests and recipes) keep their exact vocabulary
     plain_again = build_tokenizer(SIZES["tiny"].vocab)
     assert plain.get_vocab() == plain_again.get_vocab() and len(plain) == 629
+
+
+def test_moe_folder_holds_qwen_expert_layout_and_passes_the_engine_check(tiny_dirs: dict[str, Path]) -> None:
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from vlrl.models.moe import check_engine_config, is_sparse_layer
+
+    config = AutoConfig.from_pretrained(tiny_dirs["qwen3_vl_moe"])
+    text = config.text_config
+    assert (text.num_experts, text.num_experts_per_tok) == (4, 2)
+    assert all(is_sparse_layer(text, i) for i in range(text.num_hidden_layers))
+    with safe_open(str(tiny_dirs["qwen3_vl_moe"] / "model.safetensors"), framework="pt") as f:
+        gate_up = f.get_slice("model.language_model.layers.0.mlp.experts.gate_up_proj").get_shape()
+        down = f.get_slice("model.language_model.layers.0.mlp.experts.down_proj").get_shape()
+    inter = text.moe_intermediate_size
+    assert gate_up == [4, text.hidden_size, 2 * inter] and down == [4, inter, text.hidden_size]
+    check_engine_config(config)
+    text.norm_topk_prob = False
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        check_engine_config(config)
+    check_engine_config(AutoConfig.from_pretrained(tiny_dirs["qwen3_vl"]))  # dense: nothing to check

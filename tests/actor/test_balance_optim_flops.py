@@ -127,6 +127,44 @@ def test_flops_by_hand():
     assert training_flops(cfg, [4, 2]) == 3 * (forward_flops(cfg, [4]) + forward_flops(cfg, [2]))
 
 
+def test_moe_flops_count_active_parameters_only():
+    dense = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=16,
+                 num_hidden_layers=3, vocab_size=10)  # fmt: skip
+    moe = SimpleNamespace(**dense, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=4,
+                          decoder_sparse_step=1, mlp_only_layers=[1])  # fmt: skip
+    # layers 0, 2 sparse: router 8*6 + 2 experts * 3*8*4 = 240; layer 1 dense: 384
+    assert decoder_matmul_params(moe) == 3 * 192 + 2 * 240 + 384 + 80
+    every_other = SimpleNamespace(**{**vars(moe), "mlp_only_layers": [], "decoder_sparse_step": 2})
+    assert decoder_matmul_params(every_other) == 3 * 192 + 240 + 2 * 384 + 80  # only layer 1 sparse
+
+
+def test_qwen3_vl_30b_a3b_counts_3b_active_of_30b():
+    """Qwen3-VL-30B-A3B's published text shapes: the name's 3B active / 30B total parameters."""
+    text = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                intermediate_size=6144, num_hidden_layers=48, vocab_size=151936, num_experts=128,
+                num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    active = decoder_matmul_params(SimpleNamespace(**text))
+    every_expert = decoder_matmul_params(SimpleNamespace(**{**text, "num_experts_per_tok": 128}))
+    assert 2.9e9 < active < 3.2e9 and 29.5e9 < every_expert < 31e9
+
+
+def test_moe_flops_match_the_tiny_models_weights(actor_model):
+    """Active parameters from the config == the real model's matmul weights with each layer's
+    experts counted top_k / num_experts times (all experts exist; a token uses top_k of them)."""
+    from vlrl.models.loading import load_model
+
+    model = load_model(actor_model("qwen3_vl_moe"))
+    text = model.config.text_config
+    share = text.num_experts_per_tok / text.num_experts
+    counted = 0.0
+    for name, param in model.named_parameters():
+        if name.startswith("model.language_model.layers.") and param.dim() >= 2:
+            counted += param.numel() * (share if ".mlp.experts." in name else 1.0)
+    counted += model.lm_head.weight.numel()
+    assert any(".mlp.experts.gate_up_proj" in n for n, _ in model.named_parameters())
+    assert decoder_matmul_params(model.config) == counted
+
+
 def test_cpu_peak_and_mfu():
     peak = measured_cpu_peak()
     assert peak > 1e8

@@ -37,7 +37,7 @@ def _run(model, batch, vision, padded: bool, **kwargs):
         )
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen2"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_vl", "qwen2"])
 def setup(request, actor_model):
     path = actor_model(request.param)
     batch = make_batch(path, SPECS, group_size=2, seed=11)

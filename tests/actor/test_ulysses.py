@@ -11,7 +11,7 @@ import torch
 from actor_helpers import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 @pytest.fixture(scope="module", params=ARCHS)

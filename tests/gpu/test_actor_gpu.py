@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gpu_check_helpers import cuda_context, run_and_expect_pass
 
-from vlrl.tools.gpu_check.logprob_check import check_packed_vs_padded
+from vlrl.tools.gpu_check.logprob_check import check_moe_packed_vs_padded, check_packed_vs_padded
 from vlrl.tools.gpu_check.worker_check import check_rank_worker
 
 
@@ -22,4 +22,10 @@ def test_rank_worker_cycle_on_nccl(tmp_path: Path) -> None:
 
 def test_packed_matches_padded_in_bf16_and_fp32_matches_cpu(tmp_path: Path) -> None:
     outcome = run_and_expect_pass(check_packed_vs_padded, cuda_context(tmp_path))
+    assert outcome.summary["fp32_vs_cpu_lp"] <= 1e-3
+
+
+def test_moe_packed_matches_padded_in_bf16_and_fp32_matches_cpu(tmp_path: Path) -> None:
+    """The tiny Qwen3-VL-MoE: transformers' grouped_mm experts in bf16, routing included."""
+    outcome = run_and_expect_pass(check_moe_packed_vs_padded, cuda_context(tmp_path))
     assert outcome.summary["fp32_vs_cpu_lp"] <= 1e-3

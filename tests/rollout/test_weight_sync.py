@@ -10,19 +10,41 @@ from safetensors import safe_open
 
 from vlrl.models.tiny import ARCHS
 from vlrl.rollout.vllm_engine import model_family
-from vlrl.rollout.weight_sync import bucketize, checkpoint_name, full_named_tensors, sync_weights
+from vlrl.rollout.weight_sync import (
+    bucketize,
+    checkpoint_name,
+    checkpoint_tensor,
+    full_named_tensors,
+    sync_weights,
+)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_state_dict_names_map_to_checkpoint_names(tiny_model, arch):
-    """transformers-5 runtime names -> exactly the names save_pretrained wrote (what loaders read)."""
+    """transformers-5 runtime names and layouts -> exactly the names and shapes of the checkpoint
+    (what loaders read; for qwen3_vl_moe the tiny builder writes Qwen's transposed expert layout)."""
     path = tiny_model(arch)
     model = load_hf_model(path)
     with safe_open(f"{path}/model.safetensors", framework="pt") as f:
-        on_disk = set(f.keys())
+        on_disk = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
     family = model_family(model.config)
-    mapped = {checkpoint_name(name, family) for name in model.state_dict()}
-    assert mapped == on_disk
+    mapped = {
+        checkpoint_name(n, family): checkpoint_tensor(n, t, family) for n, t in model.state_dict().items()
+    }
+    assert mapped.keys() == on_disk.keys()
+    for name, tensor in mapped.items():
+        assert torch.equal(tensor, on_disk[name]), name
+
+
+def test_moe_experts_travel_in_checkpoint_layout():
+    experts = torch.arange(24.0).reshape(2, 3, 4)  # [E, 2I, H]
+    name = "model.language_model.layers.1._checkpoint_wrapped_module.mlp.experts.gate_up_proj"
+    assert checkpoint_tensor(name, experts, "qwen3_vl_moe").shape == (2, 4, 3)
+    assert checkpoint_tensor(name, experts, "qwen3_vl") is experts
+    router = torch.ones(4, 8)
+    assert (
+        checkpoint_tensor("model.language_model.layers.0.mlp.gate.weight", router, "qwen3_vl_moe") is router
+    )
 
 
 def test_wrapper_prefixes_are_dropped():

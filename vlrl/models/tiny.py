@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen2")
-VISION_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2")
+VISION_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
+# Mixture-of-experts text decoder of the `qwen3_vl_moe` arch: every layer sparse, top-k routing.
+MOE_EXPERTS, MOE_TOP_K = 4, 2
 
 # Qwen's special tokens; the ids follow the order here, right after the trained vocabulary.
 SPECIAL_TOKENS = (
@@ -177,9 +179,18 @@ def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]
     elif arch == "qwen2_vl":
         vision = dict(depth=vd, embed_dim=vh, hidden_size=size.hidden, num_heads=vheads, mlp_ratio=2,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
-    else:  # qwen3_vl
+    else:  # qwen3_vl, qwen3_vl_moe
         rope["mrope_interleaved"] = True
         text["head_dim"] = head_dim
+        if arch == "qwen3_vl_moe":
+            # Expert width 3/4 of hidden: a multiple of 32 (vLLM's CPU MoE kernel), and neither it
+            # nor twice it equals hidden, so no expert tensor is square: transformers tells the
+            # two expert layouts apart by shape (vlrl.models.moe).
+            text.update(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K,
+                        moe_intermediate_size=3 * size.hidden // 4, decoder_sparse_step=1,
+                        norm_topk_prob=True)  # fmt: skip
+            # norm_topk_prob: not a transformers 5.19 field (its router always renormalizes the
+            # top-k weights) but Qwen's configs carry it and vLLM 0.32 reads it.
         vision = dict(depth=vd, hidden_size=vh, intermediate_size=2 * vh, num_heads=vheads, out_hidden_size=size.hidden,
                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=144,
                       deepstack_visual_indexes=[vd - 1])  # fmt: skip
@@ -193,7 +204,7 @@ def build_processor(arch: str, tokenizer, min_pixels: int, max_pixels: int):
     """Image + video processors and the multimodal processor for `arch`."""
     from transformers import AutoProcessor  # noqa: F401  (registers processor classes)
 
-    if arch == "qwen3_vl":
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):
         from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
         patch, processor_cls, video_cls = 16, Qwen3VLProcessor, Qwen3VLVideoProcessor
@@ -229,6 +240,8 @@ def build_tiny_model(
     `tool_tokens`: add `<tool_call>` / `</tool_call>` as single tokens (multi-turn rollouts)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
+    from vlrl.models.moe import write_checkpoint_layout
+
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
     if size not in SIZES:
@@ -248,6 +261,8 @@ def build_tiny_model(
         pad_token_id=ids["<|endoftext|>"],
     )
     model.save_pretrained(out)
+    # MoE: experts in Qwen's checkpoint layout, like a real Qwen3-VL-MoE folder (vLLM reads only it).
+    write_checkpoint_layout(out, config)
     if arch in VISION_ARCHS:
         build_processor(arch, tokenizer, min_pixels, max_pixels).save_pretrained(out)
     else:

@@ -173,12 +173,19 @@ class RolloutEngine(ABC):
         `named_tensors` is consumed lazily (a generator of all-gathered shards works), so at most one
         bucket of `bucket_mb` MiB (default: `sync_bucket_mb`) is held at a time.
         """
-        mapped = ((self.map_weight_name(name), tensor) for name, tensor in named_tensors)
+        mapped = (
+            (self.map_weight_name(name), self.map_weight_tensor(name, tensor))
+            for name, tensor in named_tensors
+        )
         self._load_buckets(bucketize(mapped, bucket_mb or self.bucket_mb, self.weight_dtype, stats))
 
     @abstractmethod
     def map_weight_name(self, name: str) -> str:
         """The name this engine's loader expects for an actor state_dict key."""
+
+    def map_weight_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor in the layout this engine's loader expects (default: unchanged)."""
+        return tensor
 
     @abstractmethod
     def _load_buckets(self, buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> None:

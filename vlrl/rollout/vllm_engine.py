@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vlrl.models.moe import check_engine_config as check_moe_config
 from vlrl.protocol import PromptBatch, RolloutBatch
 from vlrl.rollout import vllm_hooks
 from vlrl.rollout.base import (
@@ -35,15 +36,16 @@ from vlrl.rollout.base import (
     seeded_rng,
 )
 from vlrl.rollout.output import assemble_rollout_batch
-from vlrl.rollout.weight_sync import checkpoint_name
+from vlrl.rollout.weight_sync import checkpoint_name, checkpoint_tensor
 
 VLLM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                "fp32": "float32", "float32": "float32"}  # fmt: skip
-_FAMILIES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl"}
+_FAMILIES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl",
+             "qwen3_vl_moe": "qwen3_vl_moe"}  # fmt: skip
 
 
 def model_family(hf_config: Any) -> str:
-    """qwen2_vl | qwen2_5_vl | qwen3_vl | text: selects the weight-name mapping."""
+    """qwen2_vl | qwen2_5_vl | qwen3_vl | qwen3_vl_moe | text: selects the weight mapping."""
     return _FAMILIES.get(getattr(hf_config, "model_type", ""), "text")
 
 
@@ -139,6 +141,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.rank, self.dp_rank = _dist_layout(config.tensor_parallel_size)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.family = model_family(self.hf_config)
+        check_moe_config(self.hf_config)
         self.is_vision = getattr(self.hf_config, "vision_config", None) is not None
         self.limit_images = resolve_limit_images(config, limit_images) if self.is_vision else 0
         self.max_model_len = int(
@@ -365,6 +368,9 @@ class VLLMRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------------ weights
     def map_weight_name(self, name: str) -> str:
         return checkpoint_name(name, self.family)
+
+    def map_weight_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return checkpoint_tensor(name, tensor, self.family)
 
     def _load_buckets(self, buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
         if self.asleep:

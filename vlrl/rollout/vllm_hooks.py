@@ -22,6 +22,12 @@ Why these exist (read from the installed vllm, 0.32.0):
   (`vllm/v1/worker/gpu/`, the CUDA default); `uses_v2_runner` says which one runs, and
   `ban_tokens_processor` builds the class for it. The V2 runner also samples from per-request
   seeds rather than torch's generator (`request_seeds`).
+- Mixture-of-experts on CPU: vLLM's unquantized MoE method prepacks expert weights for its CPU
+  grouped-gemm kernel (`CPUUnquantizedExperts.process_weights_after_loading`) only when it builds
+  its kernel, i.e. on the first load (`UnquantizedFusedMoEMethod._setup_kernel` skips it "on
+  subsequent calls"). After a reload the experts hold plain weights that the kernel reads as
+  packed, and generation is garbage; `repack_cpu_moe_experts` repeats that step after each reload.
+  (CUDA kernels read the plain layout, there is nothing to repeat.)
 - The layerwise reload warns "<Layer>: Failed to load weights" for layers that only hold buffers
   no checkpoint contains (rotary caches, image mean/std) at every sync; `reload_on_worker` drops
   exactly those warnings (`buffer_only_layers`).
@@ -231,7 +237,31 @@ def reload_on_worker(
         finally:
             with dropped_reload_warnings(buffer_only):
                 finalize_layerwise_reload(model, worker.model_config)
+        repack_cpu_moe_experts(model)
     return loaded, expected
+
+
+def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
+    """Re-run the CPU expert prepack of every MoE layer after a reload; returns how many layers.
+
+    vLLM 0.32 (vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py) calls
+    `moe_kernel.fused_experts.process_weights_after_loading(layer)` only when it first sets up
+    the kernel; for `CPUUnquantizedExperts` that step reorders w13/w2 ([E, 2I, H], [E, H, I],
+    shapes kept) into the kernel's blocked layout. A reload leaves them plain. CUDA models: 0.
+    """
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu":
+        return 0
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    count = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            count += 1
+    return count
 
 
 # vLLM 0.32 `finalize_layerwise_processing` (vllm/model_executor/model_loader/reload/layerwise.py)

@@ -11,6 +11,8 @@
    (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`, `_orig_mod.`) are dropped, and Qwen2-VL /
    Qwen2.5-VL's `model.language_model.` / `model.visual.` become the `model.` / `visual.` of their
    checkpoints. Engines load checkpoints, so checkpoint names are what every loader understands.
+   Tensors keep their layout except Qwen3-VL-MoE's fused experts (`checkpoint_tensor`): transformers
+   5 holds them as the transpose of Qwen's checkpoints, and vLLM reads the checkpoint layout.
 3. Convert to the engine's dtype and group into buckets of at most `bucket_mb` (a tensor larger
    than the bucket travels alone). The engine consumes the buckets lazily, so at most one bucket of
    gathered/converted tensors is alive at a time: that bounds the extra memory of a sync.
@@ -25,12 +27,15 @@ from typing import Any
 
 import torch
 
+from vlrl.models.moe import checkpoint_layout
+
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 # transformers-5 runtime prefix -> checkpoint prefix, per model family (first match wins).
 _CHECKPOINT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen2_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
     "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
     "qwen3_vl": (),  # its checkpoints already use the runtime names
+    "qwen3_vl_moe": (),
     "text": (),
 }
 
@@ -47,6 +52,12 @@ def checkpoint_name(name: str, family: str) -> str:
         if name.startswith(old):
             return new + name[len(old) :]
     return name
+
+
+def checkpoint_tensor(name: str, tensor: torch.Tensor, family: str) -> torch.Tensor:
+    """`tensor` (actor state_dict key `name`) in its checkpoint layout: a transposed view for
+    Qwen3-VL-MoE's fused experts (`vlrl.models.moe`; bucketize makes it contiguous), else itself."""
+    return checkpoint_layout(name, tensor) if family == "qwen3_vl_moe" else tensor
 
 
 def runtime_name(name: str) -> str:

@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from vlrl.models.moe import write_checkpoint_layout
+
 
 def load_full_model_state(dcp_dir: str) -> dict[str, torch.Tensor]:
     """The model's full (unsharded) state dict from a DCP checkpoint written by `Actor.save_checkpoint`.
@@ -82,6 +84,7 @@ def merge(
             model = _model_class(config).from_config(config, dtype=torch_dtype)
         model.load_state_dict(state, assign=True, strict=True)
     model.save_pretrained(target)
+    write_checkpoint_layout(target, config)  # MoE experts as vLLM reads them (vlrl.models.moe)
     _save_processor(meta, target)
     return target
 

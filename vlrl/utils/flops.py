@@ -1,7 +1,8 @@
 """Model FLOPs of the text decoder and MFU (model FLOPs utilization).
 
 What is counted: the decoder's matmuls (attention projections, gated MLP, lm head) at 2 FLOPs per
-multiply-add per token, plus the attention scores and weighted sums (QK^T and AV), which grow with
+multiply-add per token (mixture-of-experts layers: the router and the top-k experts a token is routed
+to, i.e. the active parameters, not all experts; `vlrl.models.moe`), plus the attention scores and weighted sums (QK^T and AV), which grow with
 the context each token attends to (causal: token t attends to t keys of its own sequence; packed
 sequences do not attend to each other). Image tokens count as decoder tokens like any other.
 NOT counted: the vision tower (it runs once per image, is small next to the decoder for typical
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from vlrl.models.moe import mlp_matmul_params
 
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity; NVIDIA data sheets), matched in this order
 # against torch.cuda.get_device_name(): card variants first, as their names contain the family's.
@@ -57,14 +60,15 @@ def _text_config(hf_config: Any) -> Any:
 
 
 def decoder_matmul_params(hf_config: Any) -> int:
-    """Parameters the decoder multiplies each token by: layers' projections + MLP, and the lm head."""
+    """Parameters the decoder multiplies each token by: layers' projections + MLP (for MoE layers
+    the router and top-k experts: active parameters), and the lm head."""
     c = _text_config(hf_config)
     h, heads = c.hidden_size, c.num_attention_heads
     kv = getattr(c, "num_key_value_heads", None) or heads
     hd = getattr(c, "head_dim", None) or h // heads
     attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h  # q, k, v, o
-    mlp = 3 * h * c.intermediate_size  # gate, up, down
-    return c.num_hidden_layers * (attn + mlp) + h * c.vocab_size
+    mlp = sum(mlp_matmul_params(c, layer) for layer in range(c.num_hidden_layers))
+    return c.num_hidden_layers * attn + mlp + h * c.vocab_size
 
 
 def forward_flops(hf_config: Any, seq_lengths: Sequence[int]) -> float:

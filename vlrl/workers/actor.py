@@ -39,6 +39,7 @@ from vlrl.algorithms import aggregate_loss, compute_kl_loss, compute_policy_loss
 from vlrl.config import ActorConfig, PPOConfig
 from vlrl.models.loading import model_class
 from vlrl.models.lora import ADAPTER, lora_scaling_of, merged_named_tensors
+from vlrl.models.moe import write_checkpoint_layout
 from vlrl.protocol import RolloutBatch
 from vlrl.utils.flops import peak_flops, training_flops
 from vlrl.workers.checkpoint_io import (
@@ -423,6 +424,7 @@ class Actor(ShardedModel):
                 model = model_class(config).from_config(config)
             model.load_state_dict(state, assign=True, strict=True)
             model.save_pretrained(path)
+            write_checkpoint_layout(path, config)  # MoE experts as vLLM reads them
             self.tokenizer_or_processor().save_pretrained(path)
         dist.barrier()
 

@@ -2,7 +2,8 @@
 
 Checks (each independent, time-limited, recorded in one JSON report and printed as a table):
 attention backends (attention_check), one RankWorker end to end (worker_check), packed vs padded
-log-probs/gradients (logprob_check), a Qwen2.5-VL-3B-shaped actor update with MFU (qwen3b_check).
+log-probs/gradients (logprob_check; the same on the tiny Qwen3-VL-MoE), a Qwen2.5-VL-3B-shaped
+actor update with MFU (qwen3b_check).
 
 Packages it needs, all preinstalled on the bare GPU machine (docs/gpu.md): torch, transformers,
 tokenizers, safetensors, pillow, numpy, jinja2 (chat templates). It imports no vLLM, Ray,

@@ -48,7 +48,9 @@ CHECKS = {
                   "one RankWorker (HF rollout, KL loss, offloads): setup..resume..model-only save, memory per phase"),
         CheckSpec("packed_vs_padded", f"{_PKG}.logprob_check:check_packed_vs_padded", 90,
                   "packed vs padded log-probs and gradients in bf16; fp32 device vs CPU"),
-        CheckSpec("qwen3b_update", f"{_PKG}.qwen3b_check:check_qwen3b_update", 300,
+        CheckSpec("moe_packed", f"{_PKG}.logprob_check:check_moe_packed_vs_padded", 60,
+                  "packed_vs_padded on the tiny Qwen3-VL-MoE (grouped_mm experts, top-k routing in bf16)"),
+        CheckSpec("qwen3b_update", f"{_PKG}.qwen3b_check:check_qwen3b_update", 240,
                   "actor update of a random-init Qwen2.5-VL-3B-shaped model: tokens/s, MFU, peak memory"),
     )
 }  # fmt: skip

@@ -8,6 +8,11 @@ is sum(w * log_probs) with fixed random weights w on the response tokens.
   error against the fp32 result must not exceed twice the padded one;
 - fp32 on the device vs fp32 on the CPU: agree to 1e-3 (TF32 off for this comparison).
 On CPU (`--device cpu`) both variants run in fp32 and must agree to 1e-4.
+
+`check_moe_packed_vs_padded` runs the same comparisons on the tiny Qwen3-VL-MoE (4 experts, top-2;
+transformers' default `grouped_mm` experts kernel), which CPU tests cannot cover on CUDA: the
+bf16 grouped GEMM of the experts, and top-k routing under bf16 noise (a token whose two best
+experts are near a tie may switch expert between packed and padded; the bounds still apply).
 """
 
 from __future__ import annotations
@@ -64,7 +69,20 @@ def _no_tf32() -> Iterator[None]:
 
 
 def check_packed_vs_padded(ctx: Context, outcome: Outcome) -> None:
-    model_dir = ctx.tiny_model("qwen2_5_vl")
+    _packed_vs_padded(ctx, outcome, "qwen2_5_vl")
+
+
+def check_moe_packed_vs_padded(ctx: Context, outcome: Outcome) -> None:
+    from transformers import AutoConfig
+
+    model_dir = ctx.tiny_model("qwen3_vl_moe")
+    text = AutoConfig.from_pretrained(model_dir).text_config
+    outcome.details["experts"] = {"num_experts": text.num_experts, "top_k": text.num_experts_per_tok}
+    _packed_vs_padded(ctx, outcome, "qwen3_vl_moe")
+
+
+def _packed_vs_padded(ctx: Context, outcome: Outcome, arch: str) -> None:
+    model_dir = ctx.tiny_model(arch)
     config = make_config(model_dir, ctx.device)
     prompts = prompt_batch(model_dir, config.data, 4, 56, ctx.seed)
     batch = random_rollout(model_dir, prompts, 2, [3, 16, 9, 1, 12], vocab_limit=500, seed=ctx.seed)
