@@ -4,7 +4,7 @@ python examples/prepare_multi_turn_demo.py [--out outputs/multi_turn_demo]
 
 The prompt image shows the shape in one grey whatever its colour, so the answer is not in the
 prompt: without the `reveal` tool the reward ceiling is chance (0.25). The tool (examples/tools/
-reveal.py) returns the colour image and its name. The warm-up (`vlrl.models.turn_warmup`) teaches
+reveal.py) returns the colour image and its name. The warm-up (`vlrl.tools.turn_warmup`) teaches
 the *form* only: on half of the prompts it calls `reveal` and then answers a colour drawn at random,
 on the other half it answers a random colour at once. So it starts calling the tool about half of
 the time and answers at chance; RL must learn to call the tool and to read its result.
@@ -21,7 +21,7 @@ from PIL import Image
 from vlrl.data.prompts import ChatFormatter, FormatPrompt
 from vlrl.data.synthetic import BACKGROUND, COLOURS, make_shapes_dataset
 from vlrl.models.tiny import build_tiny_model
-from vlrl.models.turn_warmup import Segment, fit_segments
+from vlrl.tools.turn_warmup import Segment, fit_segments
 
 GREY = (128, 128, 128)
 CALL = '<tool_call>{"name": "reveal"}</tool_call>'

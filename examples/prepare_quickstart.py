@@ -3,7 +3,7 @@
 python examples/prepare_quickstart.py [--out outputs/quickstart]
 
 The model is random, then warmed up to answer with one colour word and stop, the colour drawn at
-random whatever the image (`vlrl.models.warmup`): RL then starts at chance (~0.25) and what it
+random whatever the image (`vlrl.tools.warmup`): RL then starts at chance (~0.25) and what it
 learns is reading the image.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from vlrl.data.synthetic import COLOURS, make_shapes_dataset
 from vlrl.models.tiny import build_tiny_model
-from vlrl.models.warmup import MARKER, warm_up_answer_format
+from vlrl.tools.warmup import MARKER, warm_up_answer_format
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from PIL import Image
 from vlrl.data.prompts import ChatFormatter, FormatPrompt
 from vlrl.data.synthetic import COLOURS, make_shapes_dataset
 from vlrl.models.tiny import build_tiny_model
-from vlrl.models.warmup import MARKER, warm_up_answer_format
+from vlrl.tools.warmup import MARKER, warm_up_answer_format
 
 FORMAT = "format_prompts/shapes.jinja"
 COLOUR_WORDS = sorted(COLOURS)

@@ -41,8 +41,8 @@ def mt_rollout_config(**kwargs: Any) -> Any:
 def taught_model(model_dir: str, steps: int = 150) -> dict[str, float]:
     """Fit the tiny model (with tool tokens) to answer every CUES prompt with its call, then its answer."""
     from vlrl.models.processor import load_processor
-    from vlrl.models.turn_warmup import Segment, fit_segments
     from vlrl.rollout.multi_turn.rendering import TurnRenderer
+    from vlrl.tools.turn_warmup import Segment, fit_segments
 
     tokenizer, processor = load_processor(model_dir)
     renderer = TurnRenderer(tokenizer, processor.chat_template, True, 256)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vlrl.models.warmup import supervised_step
+from vlrl.tools.warmup import supervised_step
 
 
 @dataclass

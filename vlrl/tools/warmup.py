@@ -1,6 +1,6 @@
 """Answer-format warm-up: teach a freshly built (random) model the *form* of an answer, not its content.
 
-    python -m vlrl.models.warmup MODEL_DIR TRAIN_JSONL --answers red green blue yellow \
+    python -m vlrl.tools.warmup MODEL_DIR TRAIN_JSONL --answers red green blue yellow \
         [--format-prompt format_prompts/shapes.jinja] [--steps 60]
 
 RL post-training starts from a model that already answers in the expected form; a random tiny
