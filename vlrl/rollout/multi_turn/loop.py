@@ -16,6 +16,7 @@ from typing import Any
 from vlrl.protocol import PromptBatch, RolloutBatch
 from vlrl.rollout.multi_turn.parsing import CALL_END, ToolCall, parse_tool_call
 from vlrl.rollout.multi_turn.rendering import TurnEncoder, TurnRenderer
+from vlrl.rollout.multi_turn.tool_config import tool_entries
 from vlrl.rollout.multi_turn.tool_pool import ToolPool
 from vlrl.rollout.multi_turn.tools import ToolOutput
 from vlrl.rollout.multi_turn.trajectory import Trajectory, assemble_trajectories
@@ -63,7 +64,7 @@ class MultiTurnRollout:
             mt_config.max_tool_response_tokens,
         )
         self.pool = ToolPool(
-            list(mt_config.tools), mt_config.interaction, mt_config.tool_workers,
+            tool_entries(mt_config), mt_config.interaction, mt_config.tool_workers,
             mt_config.tool_timeout, mt_config.max_tool_images,
         )  # fmt: skip
 
