@@ -166,7 +166,8 @@ class MultiTurnRollout:
                 continue
             t.user_turns += 1
             t.messages.append({"role": "user", "content": reply})
-            self._append(t, self.renderer.user_turn(reply), [])
+            eos_text = self.tokenizer.decode(t.response[-1:], skip_special_tokens=False)  # closes the turn
+            self._append(t, self.renderer.user_turn(reply, eos_text), [])
 
     def _append(self, t: Trajectory, text: str, images: list[Any]) -> None:
         """Append a rendered turn, or end the trajectory (overflow) when it and one more token do not fit."""
