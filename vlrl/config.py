@@ -342,6 +342,10 @@ class MultiTurnConfig(_Section):
     """Most interaction (user) replies per trajectory."""
     tools: list[str] = field(default_factory=list)
     """Tool functions, `path/to/file.py:function` each; the schema comes from the signature and docstring."""
+    tool_config_path: str | None = None
+    """YAML file of tools with OpenAI-style schemas (`tools: [{callable: file.py:fn, tool_schema:
+    {type: function, function: {...}}}]`, paths relative to the YAML); adds to `tools`. Each schema
+    is checked against its function's signature at start-up. Format: docs/multi_turn.md."""
     interaction: str | None = None
     """`path/to/file.py:function` called after each final assistant turn; may reply as the user or end."""
     max_tool_response_tokens: int = 256

@@ -351,10 +351,18 @@ def _check_multi_turn(config: PPOConfig) -> list[str]:
         errors.append(f"{key}.tool_timeout={mt.tool_timeout} must be > 0")
     if mt.format != "hermes":
         errors.append(f"{key}.format={mt.format!r} is unknown; the supported format is hermes")
-    if not mt.tools and not mt.interaction:
+    if not mt.tools and not mt.tool_config_path and not mt.interaction:
         errors.append(
-            f"{key}.enable=true needs {key}.tools (path/to/file.py:function, ...) or an interaction"
+            f"{key}.enable=true needs {key}.tools (path/to/file.py:function, ...), "
+            f"{key}.tool_config_path or an interaction"
         )
+    if mt.tool_config_path:
+        from vlrl.rollout.multi_turn.tool_config import ToolConfigError, read_tool_config
+
+        try:
+            read_tool_config(mt.tool_config_path)
+        except ToolConfigError as exc:
+            errors.append(str(exc))
     for spec in [*mt.tools, *([mt.interaction] if mt.interaction else [])]:
         if not isinstance(spec, str) or not os.path.isfile(_spec_file(spec)):
             errors.append(f"{key}: tool/interaction file of {spec!r} does not exist")

@@ -12,6 +12,9 @@ from vlrl.config import MultiTurnConfig
 
 TOOLS = str(Path(__file__).with_name("mt_tools.py"))
 
+# The interaction's question, and the cue row (1 + 2) whose answer the model is taught to repeat after it.
+FOLLOW_UP, FOLLOW_UP_ROW = "Are you sure?", 1
+
 # prompt row -> (the call the model is taught to make, the tool's answer it sees, its final answer)
 CUES = [
     ({"problem": "show", "answer": "red", "images": []},
@@ -27,7 +30,8 @@ CUES = [
 
 def mt_config(**kwargs: Any) -> MultiTurnConfig:
     names = ["add", "show", "secret", "boom", "hang", "slow"]
-    values = dict(enable=True, tools=[f"{TOOLS}:{n}" for n in names], tool_timeout=1.0, tool_workers=2)
+    values = dict(enable=True, tools=[f"{TOOLS}:{n}" for n in names], tool_timeout=1.0, tool_workers=2,
+                  interaction=f"{TOOLS}:follow_up")  # replies only to rows that ask (FOLLOW_UP)  # fmt: skip
     values.update(kwargs)
     return MultiTurnConfig(**values)
 
@@ -55,7 +59,20 @@ def taught_model(model_dir: str, steps: int = 150) -> dict[str, float]:
             Segment(renderer.tool_turn(result, len(images)), images=images),
             Segment(f"{answer}<|im_end|>", trained=True),
         ])  # fmt: skip
+        if i == FOLLOW_UP_ROW:  # after the interaction's question the model answers again, the same
+            examples[-1] += [Segment(renderer.user_turn(FOLLOW_UP, "<|im_end|>")),
+                             Segment(f"{answer}<|im_end|>", trained=True)]  # fmt: skip
     return fit_segments(model_dir, examples, steps=steps, batch_size=8, lr=2e-3)
 
 
-__all__ = ["CUES", "TOOLS", "data_config", "mt_config", "mt_rollout_config", "prompt_batch", "taught_model"]
+__all__ = [
+    "CUES",
+    "FOLLOW_UP",
+    "FOLLOW_UP_ROW",
+    "TOOLS",
+    "data_config",
+    "mt_config",
+    "mt_rollout_config",
+    "prompt_batch",
+    "taught_model",
+]

@@ -1,5 +1,6 @@
 """Tools for the multi-turn tests: well-behaved, raising, hanging, slow, crashing, image-returning."""
 
+import json
 import os
 import time
 
@@ -54,3 +55,16 @@ def crash():
 def bad_return():
     """Returns something that is not text or an image."""
     return {"a": 1}
+
+
+def follow_up(messages, *, reply=None, log=None):
+    """Interaction: answers `reply` as the user after the first final answer, ends after the second.
+
+    Rows without `reply` in their tools_kwargs["interaction"] end at once. `log`: a file that gets the
+    roles of the messages of every call (one JSON line each)."""
+    if log:
+        with open(log, "a", encoding="utf-8") as file:
+            file.write(json.dumps([m["role"] for m in messages]) + "\n")
+    if reply is None or any(m["role"] == "user" for m in messages):
+        return None
+    return reply

@@ -117,3 +117,14 @@ def test_multi_turn_metrics():
     assert out["mt/tool_errors"] == 1 and out["mt/tool_timeouts"] == 1
     assert out["mt/stop_overflow"] == 1 and out["mt/stop_turn_limit"] == 1 and out["mt/stop_length"] == 0
     assert multi_turn_metrics([], "mt") == {}
+
+
+def test_user_turn_after_the_models_eos_closes_the_turn_once(tiny_model):
+    """After a final turn the model already sampled its EOS (`<|im_end|>`): the user turn appended
+    must not repeat it, or the trajectory differs from the chat template's conversation."""
+    tokenizer, processor = load_processor(tiny_model("qwen2_5_vl"))
+    renderer = TurnRenderer(tokenizer, processor.chat_template, True, 64)
+    user = "\n<|im_start|>user\nsure?<|im_end|>\n<|im_start|>assistant\n"
+    assert renderer.user_turn("sure?") == "<|im_end|>" + user  # the closing, when the model did not write it
+    assert renderer.user_turn("sure?", "<|im_end|>") == user
+    assert renderer.user_turn("sure?", "</tool_call>") == "<|im_end|>" + user  # not a prefix: kept whole

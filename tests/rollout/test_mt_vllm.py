@@ -1,14 +1,19 @@
 """Multi-turn rollouts on the real vLLM engine (one rank, fp32 on CPU), with a tiny Qwen2.5-VL taught
-to call tools on cue: text and image results, a hanging tool, a malformed call, overflow, and the
-engine's log-probs over all turns against the actor's recomputation of the whole trajectory."""
+to call tools on cue: text and image results, a hanging tool, a malformed call, overflow, an
+interaction answering as the user, and the engine's log-probs over all turns against the actor's
+recomputation of the whole trajectory."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
-from mt_helpers import CUES, mt_rollout_config, taught_model
+import torch.multiprocessing as mp
+from mt_helpers import CUES, FOLLOW_UP, FOLLOW_UP_ROW, mt_rollout_config, taught_model
+from mt_spmd_job import SHARDS
+from mt_spmd_job import run as run_rank
 from rollout_helpers import (
     close_world,
     data_config,
@@ -92,3 +97,74 @@ def test_engine_log_probs_match_actor_over_all_turns(mt):
     diff = (actor_log_probs - batch.rollout_log_probs).abs()[mask]
     assert diff.max() < 2e-4, diff.max()
     assert batch.rollout_log_probs[mask].lt(-1e-3).any()
+
+
+def test_interaction_replies_as_the_user_then_ends(mt, tmp_path):
+    """The interaction asks once after the first final answer and ends the episode after the second:
+    the user turn sits in the response as context, rendered as the chat template renders it."""
+    log = tmp_path / "interaction.jsonl"
+    row = {**CUES[FOLLOW_UP_ROW][0], "tools_kwargs": {"interaction": {"reply": FOLLOW_UP, "log": str(log)}}}
+    batch = mt.engine.generate(prompt_batch(mt.path, [row]), GREEDY)
+    (info,) = batch.trajectories
+    assert [m["role"] for m in info["messages"]] == ["assistant", "tool", "assistant", "user", "assistant"]
+    assert info["messages"][3]["content"] == FOLLOW_UP and info["final_response"] == "3"
+    assert (info["num_turns"], info["num_user_turns"], info["num_tool_calls"]) == (3, 1, 1)
+    assert info["stop_reason"] == "eos"
+    # asked after each final answer: once with no user turn (replies), once after it (ends)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls == [
+        ["assistant", "tool", "assistant"],
+        ["assistant", "tool", "assistant", "user", "assistant"],
+    ]
+    # the response is the Qwen chat format of the conversation, one <|im_end|> closing each turn;
+    # the model's turns are trained (mask 1), the tool and user turns are context (mask 0, log-prob 0)
+    tokenizer = load_processor(mt.path)[0]
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    segments = [
+        (call, 1),
+        ("<|im_end|>\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("3<|im_end|>", 1),
+        (f"\n<|im_start|>user\n{FOLLOW_UP}<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("3<|im_end|>", 1),
+    ]
+    ids = [tokenizer.encode(text, add_special_tokens=False) for text, _ in segments]
+    expected_mask = [flag for (_, flag), part in zip(segments, ids) for _ in part]
+    length = int(batch.attention_mask[0, batch.prompt_length :].sum())
+    assert batch.responses[0, :length].tolist() == [i for part in ids for i in part]
+    assert batch.response_mask[0, :length].tolist() == expected_mask
+    context = batch.response_mask[0, :length] == 0
+    assert batch.rollout_log_probs[0, :length][context].eq(0).all()
+
+
+def test_two_ranks_multi_turn(mt, tmp_path):
+    """Two SPMD ranks (gloo world, external_launcher), each its own engine and tool workers, roll out
+    their own shards: an image-returning tool call on both, well-formed trajectories, and the same
+    greedy trajectory as the one-rank engine for the same prompt."""
+    mp.start_processes(
+        run_rank, args=(2, free_port(), mt.path, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["dp_rank"] for r in ranks] == [0, 1]
+    reference = mt.engine.generate(mt.prompts.select([0]), GREEDY)
+    ref_length = int(reference.attention_mask[0, reference.prompt_length :].sum())
+    image_id = mt.engine.hf_config.image_token_id
+    for rank, rows in zip(ranks, SHARDS):
+        P = rank["prompt_length"]
+        for i, (row, info) in enumerate(zip(rows, rank["trajectories"])):
+            roles = [m["role"] for m in info["messages"]]
+            assert roles == ["assistant", "tool", "assistant"] and info["stop_reason"] == "eos", info
+            assert info["final_response"] == CUES[row][3]
+            real = rank["attention_mask"][i, P:].bool()
+            mask = rank["response_mask"][i]
+            assert (
+                not mask[~real].any() and mask[real][0] == 1 and mask[real][-1] == 1
+            )  # model turns at both ends
+            assert not mask[rank["responses"][i] == image_id].any()  # tool image tokens are context
+        show = rank["trajectories"][0]
+        assert show["tool_calls"][0]["images"] == 1 and rank["image_sizes"][0] == [(56, 56)]
+        length = int(rank["attention_mask"][0, P:].sum())
+        assert length == ref_length
+        assert rank["responses"][0, :length].equal(reference.responses[0, :ref_length])
+        assert rank["response_mask"][0, :length].equal(reference.response_mask[0, :ref_length])
+    assert ranks[0]["trajectories"][1]["tool_calls"][0]["result"] == "3"
+    assert ranks[1]["trajectories"][1]["tool_errors"] == 1  # the malformed call, answered with an error

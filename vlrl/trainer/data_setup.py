@@ -54,12 +54,14 @@ class TrainingData:
 
 def _tool_schemas(mt: Any) -> list[dict[str, Any]] | None:
     """The tools' schemas, read in a tool worker process (the driver never imports tool files):
-    a tool file that fails to load stops the run here, at start-up."""
-    if not mt.enable or not mt.tools:
+    a tool file that fails to load, or a YAML schema that does not fit its function, stops the run
+    here, at start-up."""
+    if not mt.enable or not (mt.tools or mt.tool_config_path):
         return None
+    from vlrl.rollout.multi_turn.tool_config import tool_entries
     from vlrl.rollout.multi_turn.tool_pool import ToolPool
 
-    with ToolPool(list(mt.tools), mt.interaction, workers=1, max_images=mt.max_tool_images) as pool:
+    with ToolPool(tool_entries(mt), mt.interaction, workers=1, max_images=mt.max_tool_images) as pool:
         return pool.schemas
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from vlrl.protocol import PromptBatch, RolloutBatch
 from vlrl.rollout.multi_turn.parsing import CALL_END, ToolCall, parse_tool_call
 from vlrl.rollout.multi_turn.rendering import TurnEncoder, TurnRenderer
+from vlrl.rollout.multi_turn.tool_config import tool_entries
 from vlrl.rollout.multi_turn.tool_pool import ToolPool
 from vlrl.rollout.multi_turn.tools import ToolOutput
 from vlrl.rollout.multi_turn.trajectory import Trajectory, assemble_trajectories
@@ -63,7 +64,7 @@ class MultiTurnRollout:
             mt_config.max_tool_response_tokens,
         )
         self.pool = ToolPool(
-            list(mt_config.tools), mt_config.interaction, mt_config.tool_workers,
+            tool_entries(mt_config), mt_config.interaction, mt_config.tool_workers,
             mt_config.tool_timeout, mt_config.max_tool_images,
         )  # fmt: skip
 
@@ -165,7 +166,8 @@ class MultiTurnRollout:
                 continue
             t.user_turns += 1
             t.messages.append({"role": "user", "content": reply})
-            self._append(t, self.renderer.user_turn(reply), [])
+            eos_text = self.tokenizer.decode(t.response[-1:], skip_special_tokens=False)  # closes the turn
+            self._append(t, self.renderer.user_turn(reply, eos_text), [])
 
     def _append(self, t: Trajectory, text: str, images: list[Any]) -> None:
         """Append a rendered turn, or end the trajectory (overflow) when it and one more token do not fit."""

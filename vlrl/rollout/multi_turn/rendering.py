@@ -64,10 +64,15 @@ class TurnRenderer:
             content = text
         return self._after_assistant({"role": "tool", "content": content})
 
-    def user_turn(self, text: str) -> str:
-        """A user reply (from the interaction)."""
+    def user_turn(self, text: str, sampled_end: str = "") -> str:
+        """A user reply (from the interaction). `sampled_end`: the text of the token that ended the
+        assistant turn (its EOS, e.g. `<|im_end|>`): the model already wrote that part of the
+        turn's closing, so it is not appended a second time."""
         content: Any = [{"type": "text", "text": text}] if self.multimodal else text
-        return self._after_assistant({"role": "user", "content": content})
+        rendered = self._after_assistant({"role": "user", "content": content})
+        if sampled_end and rendered.startswith(sampled_end):
+            return rendered[len(sampled_end) :]
+        return rendered
 
 
 class TurnEncoder:

@@ -11,11 +11,13 @@ import logging
 import multiprocessing as mp
 import time
 from collections import deque
+from collections.abc import Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
 from vlrl.rewards.memory import describe_exit
 from vlrl.rewards.worker_process import STARTUP_TIMEOUT, WorkerProcess
+from vlrl.rollout.multi_turn.tool_config import ToolEntry
 from vlrl.rollout.multi_turn.tool_worker import tool_worker_main
 from vlrl.rollout.multi_turn.tools import ToolOutput
 
@@ -23,18 +25,22 @@ logger = logging.getLogger(__name__)
 
 
 class ToolPool:
-    """`workers` processes serving the tools of `specs` (and an optional interaction)."""
+    """`workers` processes serving the tools of `specs` (and an optional interaction).
+
+    A spec is `path/to/file.py:function` (schema from the signature) or a `ToolEntry` (as read from a
+    tool YAML by `tool_config.tool_entries`)."""
 
     def __init__(
         self,
-        specs: list[str],
+        specs: Sequence[str | ToolEntry],
         interaction: str | None = None,
         workers: int = 2,
         timeout: float = 30.0,
         max_images: int = 1,
         memory_limit_mb: int | None = None,
     ) -> None:
-        self.args = (list(specs), interaction, max_images, memory_limit_mb)
+        entries = [s if isinstance(s, ToolEntry) else ToolEntry(s) for s in specs]
+        self.args = (entries, interaction, max_images, memory_limit_mb)
         self.timeout = float(timeout)
         self._ctx = mp.get_context("spawn")
         self._workers: list[WorkerProcess | None] = [self._new(i) for i in range(max(1, workers))]

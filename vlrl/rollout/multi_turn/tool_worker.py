@@ -1,7 +1,8 @@
 """Entry point of a tool worker process (spawned by `ToolPool`); imports no torch.
 
 The worker loads every tool (and the interaction) from its spec with the reward loader
-(`vlrl.rewards.loading.load_function`), reports `ready` with the schemas, then serves calls.
+(`vlrl.rewards.loading.load_function`), checks YAML-declared schemas against the functions' signatures
+(`tool_config.check_schema_matches`), reports `ready` with the schemas, then serves calls.
 
 Messages, worker -> parent: ("ready", info) | ("load_error", message) | ("result", job_id, value)
 Messages, parent -> worker: ("call", job_id, name, arguments, context)
@@ -20,6 +21,7 @@ from typing import Any
 from vlrl.rewards.loading import load_function
 from vlrl.rewards.memory import apply_memory_limit
 from vlrl.rewards.types import RewardLoadError
+from vlrl.rollout.multi_turn.tool_config import ToolConfigError, ToolEntry, check_schema_matches
 from vlrl.rollout.multi_turn.tools import (
     ToolOutput,
     check_arguments,
@@ -31,17 +33,24 @@ from vlrl.rollout.multi_turn.tools import (
 MAX_ERROR_CHARS = 300  # an exception message shown to the model is cut to this
 
 
-def load_tools(specs: list[str]) -> dict[str, Callable[..., Any]]:
-    """{tool name: function}; names must be unique across the files."""
+def load_tools(entries: list[ToolEntry]) -> tuple[dict[str, Callable[..., Any]], list[dict[str, Any]]]:
+    """({tool name: function}, schemas); names must be unique across all tools.
+
+    A tool's name is its YAML schema's name, else the function's name."""
     tools: dict[str, Callable[..., Any]] = {}
-    for spec in specs:
-        fn, path, name, _ = load_function(spec, "tool")
+    schemas = []
+    for entry in entries:
+        fn, _, fn_name, _ = load_function(entry.callable, "tool")
+        if entry.schema is not None:
+            check_schema_matches(fn, entry)
+        name = entry.name or fn_name
         if name in tools:
             raise RewardLoadError(
-                f"two tools are named {name!r} (worker.rollout.multi_turn.tools): rename one"
+                f"two tools are named {name!r} (worker.rollout.multi_turn.tools / tool_config_path): rename one"
             )
         tools[name] = fn
-    return tools
+        schemas.append(entry.schema if entry.schema is not None else tool_schema(fn, name))
+    return tools, schemas
 
 
 def call_tool(
@@ -86,21 +95,26 @@ def call_interaction(
 
 
 def tool_worker_main(
-    conn: Connection, specs: list[str], interaction: str | None, max_images: int, memory_limit_mb: int | None
+    conn: Connection,
+    specs: list[ToolEntry],
+    interaction: str | None,
+    max_images: int,
+    memory_limit_mb: int | None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     apply_memory_limit(memory_limit_mb)
     try:
-        tools = load_tools(specs)
+        tools, schemas = load_tools(specs)
         interact = load_function(interaction, "interaction")[0] if interaction else None
-        schemas = [tool_schema(fn, name) for name, fn in tools.items()]
-    except RewardLoadError as exc:
+    except (RewardLoadError, ToolConfigError) as exc:
         conn.send(("load_error", str(exc)))
         return
     except BaseException as exc:
         conn.send(("load_error", f"loading tools {specs} raised {type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", {"pid": os.getpid(), "schemas": schemas, "where": ", ".join(specs)}))
+    conn.send(
+        ("ready", {"pid": os.getpid(), "schemas": schemas, "where": ", ".join(e.callable for e in specs)})
+    )
     while True:
         try:
             message = conn.recv()
