@@ -1,13 +1,21 @@
-"""Multi-turn rollout throughput vs single-turn generation of the same token count, and time in tools.
+"""Multi-turn rollout throughput (per-turn loop and continuous loop) vs single-turn generation.
 
     python examples/prepare_multi_turn_demo.py          # the warmed-up demo model and data
-    python benchmarks/bench_multi_turn.py [--prompts 64] [--n 4] [--repeats 3]
+    python benchmarks/bench_multi_turn.py [--prompts 64] [--n 4] [--repeats 3] [--cases short long]
 
-Multi-turn: the demo's prompts through the engine's tool loop (calls to `reveal`, images back).
-Single-turn: the same prompts, `ignore_eos`, `max_tokens` = the multi-turn call's mean sampled
-tokens per trajectory, so both sample the same number of tokens. Reported: sampled tokens/s of each
-(fastest of `--repeats` interleaved runs), their ratio, and the share of the multi-turn wall time
-spent in tool calls (the pool's `call`, including its process round trips).
+Cases (both on the demo's prompts and `reveal` tool, fp32, one rank):
+- short: the demo's model: a call (~8 sampled tokens), the tool turn (image + colour), a 2-token answer.
+- long: a tiny model fitted here (once, to outputs/multi_turn_bench/) to write 24-72 filler words
+  before its call and again before its answer, so turns are ~64+ sampled tokens of varying length,
+  as when a model reasons before acting.
+
+Per case, interleaved in one engine (`--repeats` rounds, the fastest of each is kept):
+- per-turn: `engine.continuous_turns=False`, one `LLM.generate` call per turn (the old loop);
+- continuous: requests driven step by step, a sample's next turn queued as soon as its tool answered;
+- single-turn: the same prompts without tools, `ignore_eos`, `max_tokens` = the continuous call's mean
+  sampled tokens per trajectory, so all three sample about the same number of tokens.
+Reported: sampled tokens/s of each, the ratios to single-turn, and the share of each multi-turn wall
+time spent in tool calls (the pool's `call`, process round trips included).
 """
 
 from __future__ import annotations
@@ -15,8 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,43 +38,75 @@ from vlrl.models.processor import load_processor
 from vlrl.rollout import create_rollout_engine, sync_weights
 
 DEMO = Path("outputs/multi_turn_demo")
+LONG_MODEL = Path("outputs/multi_turn_bench/model")
+FILLER = ["the", "shape", "is", "grey", "so", "look", "at", "it", "again", "which", "colour", "maybe", "call"]
+CASES = {"short": (DEMO / "model", 64), "long": (LONG_MODEL, 320)}  # model, max_response_length
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    from transformers import AutoConfig, AutoModelForImageTextToText
+def build_long_model(steps: int = 80) -> None:
+    """The demo's tiny model shape, fitted to write filler before its call and before its answer."""
+    import importlib.util
 
-    model_dir = str(DEMO / "model")
-    data = DataConfig(max_prompt_length=128, max_response_length=64, min_pixels=12544, max_pixels=12544,
-                      format_prompt="format_prompts/shapes.jinja")  # fmt: skip
-    tokenizer, processor = load_processor(model_dir)
+    from vlrl.models.tiny import build_tiny_model
+
+    spec = importlib.util.spec_from_file_location("demo", "examples/prepare_multi_turn_demo.py")
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    build_tiny_model(LONG_MODEL, "qwen2_5_vl", "tiny", seed=0, min_pixels=demo.PIXELS, max_pixels=demo.PIXELS,
+                     tool_tokens=True)  # fmt: skip
+
+    def filler(rng: random.Random) -> str:
+        return " ".join(rng.choice(FILLER) for _ in range(rng.randint(24, 72))) + " "
+
+    stats = demo.warm_up(LONG_MODEL, DEMO / "data" / "train_mt.jsonl", steps, batch_size=8, filler=filler)
+    print(
+        f"long-turn model: loss {stats['loss_first']:.2f} -> {stats['loss_last']:.2f} in {stats['seconds']:.0f} s"
+    )
+
+
+def load_prompts(model_dir: Path, data: DataConfig, count: int) -> Any:
+    tokenizer, processor = load_processor(str(model_dir))
+    from transformers import AutoConfig
+
     preparer = RowPreparer(data, tokenizer, processor, AutoConfig.from_pretrained(model_dir))
     rows = [json.loads(line) for line in (DEMO / "data" / "train_mt.jsonl").read_text().splitlines()]
     samples = [
-        preparer.sample(r, str(DEMO / "data"), i, use_processor=False)
-        for i, r in enumerate(rows[: args.prompts])
+        preparer.sample(r, str(DEMO / "data"), i, use_processor=False) for i, r in enumerate(rows[:count])
     ]
-    prompts = collate_prompts(samples, tokenizer.pad_token_id)
+    return collate_prompts(samples, tokenizer.pad_token_id), tokenizer, processor
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+
+def timed(
+    engine: Any, prompts: Any, overrides: dict[str, Any], tool_seconds: list[float]
+) -> tuple[float, Any, float]:
+    tool_seconds[0] = 0.0
+    start = time.perf_counter()
+    batch = engine.generate(prompts, overrides)
+    wall = time.perf_counter() - start
+    return wall, batch, tool_seconds[0] / wall
+
+
+def run_case(name: str, args: argparse.Namespace) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    model_dir, response_length = CASES[name]
+    data = DataConfig(max_prompt_length=128, max_response_length=response_length, min_pixels=12544,
+                      max_pixels=12544, format_prompt="format_prompts/shapes.jinja", prompt_key="problem",
+                      answer_key="answer", image_key="images")  # fmt: skip
+    prompts, tokenizer, processor = load_prompts(model_dir, data, args.prompts)
     mt = MultiTurnConfig(
         enable=True, tools=["examples/tools/reveal.py:reveal"], max_assistant_turns=2, tool_workers=2
     )
     config = RolloutConfig(
         dtype="fp32", gpu_memory_utilization=0.2, max_num_seqs=256, n=args.n, multi_turn=mt
     )
-    multi = create_rollout_engine(config, data, model_dir, tokenizer, processor)
-    sync_weights(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32), multi, 64)
-    pool = multi.multi_turn.pool
-    tool_seconds = [0.0]
-    original_call = pool.call
+    engine = create_rollout_engine(config, data, str(model_dir), tokenizer, processor)
+    sync_weights(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32), engine, 64)
+    pool = engine.multi_turn.pool
+    tool_seconds, original_call = [0.0], pool.call
 
-    def timed_call(calls):
+    def timed_call(calls: Any) -> Any:
         start = time.perf_counter()
         try:
             return original_call(calls)
@@ -72,37 +114,60 @@ def main() -> None:
             tool_seconds[0] += time.perf_counter() - start
 
     pool.call = timed_call
-    best_mt = best_st = float("inf")
-    tokens = calls = errors = 0
-    share = 0.0
+    best: dict[str, tuple[float, int, float, Any]] = {}  # mode -> (wall, sampled tokens, tool share, batch)
     for r in range(args.repeats):
-        tool_seconds[0] = 0.0
-        start = time.perf_counter()
-        batch = multi.generate(prompts, {"seed": r})
-        wall = time.perf_counter() - start
-        if wall < best_mt:
-            best_mt, share = wall, tool_seconds[0] / wall
-            tokens = int(batch.response_mask.sum())
-            calls = sum(t["num_tool_calls"] for t in batch.trajectories)
-            errors = sum(t["tool_errors"] for t in batch.trajectories)
+        for mode, continuous in (("per-turn", False), ("continuous", True)):
+            engine.continuous_turns = continuous
+            wall, batch, share = timed(engine, prompts, {"seed": r}, tool_seconds)
+            if mode not in best or wall < best[mode][0]:
+                best[mode] = (wall, int(batch.response_mask.sum()), share, batch)
         # the same engine without the tool loop: one generation of the same sampled-token count
-        multi.multi_turn, saved = None, multi.multi_turn
-        per_sample = max(1, round(tokens / len(batch)))
-        start = time.perf_counter()
-        single = multi.generate(prompts, {"seed": r, "ignore_eos": True, "max_tokens": per_sample})
-        best_st = min(best_st, time.perf_counter() - start)
-        multi.multi_turn = saved
-    # ignore_eos: every single-turn sample ran to max_tokens (its mask would stop at a sampled EOS)
-    single_tokens = len(single) * int(single.responses.shape[1])
-    mt_rate, st_rate = tokens / best_mt, single_tokens / best_st
-    print(f"trajectories: {len(batch)}  tool calls: {calls} ({errors} malformed or failed)  "
-          f"sampled tokens: multi {tokens}, single {single_tokens}")  # fmt: skip
+        engine.multi_turn, saved = None, engine.multi_turn
+        per_sample = max(1, round(best["continuous"][1] / len(best["continuous"][3])))
+        wall, single, _ = timed(
+            engine, prompts, {"seed": r, "ignore_eos": True, "max_tokens": per_sample}, [0.0]
+        )
+        engine.multi_turn = saved
+        # ignore_eos: every sample ran to max_tokens (its mask would stop at a sampled EOS)
+        tokens = len(single) * int(single.responses.shape[1])
+        if "single-turn" not in best or wall < best["single-turn"][0]:
+            best["single-turn"] = (wall, tokens, 0.0, single)
+    single_rate = best["single-turn"][1] / best["single-turn"][0]
     print(
-        f"multi-turn : {best_mt:.2f} s  {mt_rate:,.0f} sampled tokens/s  (tools: {100 * share:.2f}% of the time)"
+        f"\n== {name}: {len(best['continuous'][3])} trajectories ({args.prompts} prompts x {args.n}), model {model_dir}"
     )
-    print(f"single-turn: {best_st:.2f} s  {st_rate:,.0f} sampled tokens/s")
-    print(f"ratio multi/single: {mt_rate / st_rate:.2f}x")
-    multi.close()
+    for mode, (wall, tokens, share, batch) in best.items():
+        rate = tokens / wall
+        line = f"{mode:<12} {wall:6.2f} s  {tokens:6d} sampled tokens  {rate:8,.0f} tokens/s  {rate / single_rate:.2f}x"
+        if mode != "single-turn":
+            infos = batch.trajectories
+            calls = sum(t["num_tool_calls"] for t in infos)
+            errors = sum(t["tool_errors"] for t in infos)
+            turn_tokens = tokens / max(1, sum(t["num_turns"] for t in infos))
+            line += (
+                f"  calls {calls} ({errors} failed), {turn_tokens:.0f} tokens/turn, tools {100 * share:.1f}%"
+            )
+        print(line)
+    engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["short", "long"])
+    parser.add_argument("--long-model-steps", type=int, default=80)
+    args = parser.parse_args()
+    if "long" in args.cases and not (LONG_MODEL / "turn_warmup.json").exists():
+        build_long_model(args.long_model_steps)
+        (LONG_MODEL / "turn_warmup.json").write_text("{}")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    for name in args.cases:
+        run_case(name, args)
 
 
 if __name__ == "__main__":

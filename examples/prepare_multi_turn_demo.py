@@ -5,14 +5,15 @@ python examples/prepare_multi_turn_demo.py [--out outputs/multi_turn_demo]
 The prompt image shows the shape in one grey whatever its colour, so the answer is not in the
 prompt: without the `reveal` tool the reward ceiling is chance (0.25). The tool (examples/tools/
 reveal.py) returns the colour image and its name. The warm-up (`vlrl.tools.turn_warmup`) teaches
-the *form* only: on half of the prompts it calls `reveal` and then answers a colour drawn at random,
-on the other half it answers a random colour at once. So it starts calling the tool about half of
-the time and answers at chance; RL must learn to call the tool and to read its result.
+the *form* only: every example calls `reveal` and then answers a colour drawn at random. So the model
+starts with well-formed calls and answers at chance; RL must learn to read the tool's result (and to
+keep calling). `--warmup-steps` counts in all: a rerun fits only the missing steps.
 """
 
 import argparse
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ GREY = (128, 128, 128)
 CALL = '<tool_call>{"name": "reveal"}</tool_call>'
 FORMAT = "format_prompts/shapes.jinja"
 PIXELS = 12544  # 112 x 112: 16 image tokens
+WARMUP_CHUNK = 40  # warm-up steps saved at a time
 
 
 def grey_copy(path: Path) -> Path:
@@ -52,7 +54,18 @@ def build_data(out: Path, n_train: int = 512, n_val: int = 64) -> None:
                                     "tools_kwargs": context}) + "\n")  # fmt: skip
 
 
-def warm_up(model_dir: Path, train_file: Path, steps: int, batch_size: int = 16) -> dict[str, float]:
+def warm_up(
+    model_dir: Path,
+    train_file: Path,
+    steps: int,
+    batch_size: int = 16,
+    call_share: float = 1.0,
+    filler: Callable[[random.Random], str] | None = None,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Fit the form: `call_share` of the examples call `reveal` first; every answer is a random colour.
+    `filler(rng)`: text written before the call and before the answer (the benchmark's long turns)."""
     from vlrl.models.processor import load_processor
     from vlrl.rollout.multi_turn.rendering import TurnRenderer
 
@@ -67,20 +80,21 @@ def warm_up(model_dir: Path, train_file: Path, steps: int, batch_size: int = 16)
         prompt = Segment(
             chat(fmt.render(row["problem"])), images=[Image.open(train_file.parent / row["images"][0])]
         )
-        answer = Segment(rng.choice(colours) + "<|im_end|>", trained=True)  # random: form, not content
-        if rng.random() < 0.5:
+        lead = filler or (lambda _: "")
+        answer = Segment(lead(rng) + rng.choice(colours) + "<|im_end|>", trained=True)  # random: form only
+        if rng.random() >= call_share:
             return [prompt, answer]
         context = row["tools_kwargs"]["reveal"]
         tool = Segment(renderer.tool_turn(context["colour"], 1), images=[Image.open(context["image_path"])])
-        return [prompt, Segment(CALL, trained=True), tool, answer]
+        return [prompt, Segment(lead(rng) + CALL, trained=True), tool, answer]
 
-    return fit_segments(model_dir, example, steps=steps, batch_size=batch_size, lr=1e-3)
+    return fit_segments(model_dir, example, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="outputs/multi_turn_demo")
-    parser.add_argument("--warmup-steps", type=int, default=60)
+    parser.add_argument("--warmup-steps", type=int, default=100, help="in all; a rerun fits only the rest")
     args = parser.parse_args()
     out = Path(args.out)
     if not (out / "data" / "train_mt.jsonl").exists():
@@ -90,10 +104,19 @@ def main() -> None:
     if not marker.exists():
         build_tiny_model(out / "model", "qwen2_5_vl", "tiny", seed=0, min_pixels=PIXELS, max_pixels=PIXELS,
                          tool_tokens=True)  # fmt: skip
-        stats = warm_up(out / "model", out / "data" / "train_mt.jsonl", args.warmup_steps)
-        marker.write_text(json.dumps(stats))
-        print(f"tiny model in {out / 'model'}; format warm-up: loss {stats['loss_first']:.2f} -> "
+        marker.write_text(json.dumps({"steps": 0, "chunks": []}))
+    done = json.loads(marker.read_text())
+    # chunks of WARMUP_CHUNK steps (each a fresh optimizer and sampling seed), saved after each one,
+    # so an interrupted or shorter warm-up is continued, not redone
+    while done["steps"] < args.warmup_steps:
+        steps = min(WARMUP_CHUNK, args.warmup_steps - done["steps"])
+        stats = warm_up(out / "model", out / "data" / "train_mt.jsonl", steps, seed=len(done["chunks"]))
+        done["steps"] += steps
+        done["chunks"].append(stats)
+        marker.write_text(json.dumps(done))
+        print(f"format warm-up: {done['steps']}/{args.warmup_steps} steps, loss {stats['loss_first']:.2f} -> "
               f"{stats['loss_last']:.2f} in {stats['seconds']:.0f} s")  # fmt: skip
+    print(f"tiny model in {out / 'model'}: {done['steps']} warm-up steps")
 
 
 if __name__ == "__main__":

@@ -168,3 +168,40 @@ def test_two_ranks_multi_turn(mt, tmp_path):
         assert rank["response_mask"][0, :length].equal(reference.response_mask[0, :ref_length])
     assert ranks[0]["trajectories"][1]["tool_calls"][0]["result"] == "3"
     assert ranks[1]["trajectories"][1]["tool_errors"] == 1  # the malformed call, answered with an error
+def _trajectory_facts(batch):
+    return [
+        {k: info[k] for k in ("messages", "tool_calls", "stop_reason", "num_turns")}
+        for info in batch.trajectories
+    ]
+
+
+def test_continuous_loop_matches_per_turn_loop(mt):
+    """Greedy: driving vLLM request by request gives the per-turn loop's trajectories, token for token."""
+    prompts = mt.prompts.select([0, 1, 3])  # no hanging tool: it only costs time here
+    assert mt.engine.continuous_turns
+    batch = mt.engine.generate(prompts, GREEDY)
+    mt.engine.continuous_turns = False
+    try:
+        reference = mt.engine.generate(prompts, GREEDY)
+    finally:
+        mt.engine.continuous_turns = True
+    assert all(info["num_turns"] == 2 for info in batch.trajectories)
+    assert torch.equal(batch.responses, reference.responses)
+    assert torch.equal(batch.response_mask, reference.response_mask)
+    assert torch.equal(batch.attention_mask, reference.attention_mask)
+    assert torch.equal(batch.position_ids, reference.position_ids)
+    assert _trajectory_facts(batch) == _trajectory_facts(reference)
+
+
+def test_continuous_loop_is_a_function_of_the_seed(mt):
+    """Sampled: the same seed gives the same trajectories (no timing in the schedule); another does not."""
+    prompts = mt.prompts.select([0, 1, 3])
+    sampled = {"temperature": 1.0, "n": 4}
+    first = mt.engine.generate(prompts, {**sampled, "seed": 11})
+    again = mt.engine.generate(prompts, {**sampled, "seed": 11})
+    other = mt.engine.generate(prompts, {**sampled, "seed": 12})
+    assert sum(info["num_turns"] >= 2 for info in first.trajectories) >= 6  # tool turns inside responses
+    assert torch.equal(first.responses, again.responses)
+    assert torch.equal(first.rollout_log_probs, again.rollout_log_probs)
+    assert _trajectory_facts(first) == _trajectory_facts(again)
+    assert not torch.equal(first.responses, other.responses)

@@ -285,14 +285,7 @@ class VLLMRolloutEngine(RolloutEngine):
         # An empty cache makes a call's scheduling, hence its sampling, a function of its inputs only.
         self.llm.reset_prefix_cache()
         if self.multi_turn is not None:
-            multi_turn = self.multi_turn
-
-            def turn_fn(
-                reqs: list[tuple[list[int], list[Any]]], budgets: list[int], turn: int
-            ) -> list[tuple[list[int], Sequence[float] | None]]:
-                return self._turn(reqs, budgets, turn, s, multi_turn.call_end_id)
-
-            return multi_turn.run(prompts, s.n, turn_fn, s.max_tokens)
+            return self._multi_turn(prompts, s)
         outputs = self._generate(self.requests(prompts), s)
         # vLLM refuses n > 1 with greedy sampling: ask for one and repeat it (the copies are equal).
         copies = s.n if s.greedy else 1
@@ -324,6 +317,38 @@ class VLLMRolloutEngine(RolloutEngine):
         n = 1 if s.greedy else s.n
         params = [self.sampling_params(s, r) for r in vllm_hooks.request_seeds(seed, len(requests), n)]
         return self.llm.generate(requests, params, use_tqdm=self.show_progress)
+
+    continuous_turns: bool = True
+    """Multi-turn: drive the engine request by request (`run_continuous`); False: one `generate`
+    call per turn (`run`, the reference the tests and the benchmark compare with)."""
+
+    def _multi_turn(self, prompts: PromptBatch, s: SamplingSettings) -> RolloutBatch:
+        import dataclasses
+
+        from vlrl.rollout.multi_turn.vllm_turns import VLLMTurns
+
+        mt = self.multi_turn
+        assert mt is not None
+        if not self.continuous_turns:
+
+            def turn_fn(
+                reqs: list[tuple[list[int], list[Any]]], budgets: list[int], turn: int
+            ) -> list[tuple[list[int], Sequence[float] | None]]:
+                return self._turn(reqs, budgets, turn, s, mt.call_end_id)
+
+            return mt.run(prompts, s.n, turn_fn, s.max_tokens)
+        seed = self.call_seed(s)
+        if self.use_v2 and seed is None:
+            seed = self._call_seeds.getrandbits(62)
+
+        def params_for(budget: int, request_seed: int | None) -> Any:
+            return self.sampling_params(
+                dataclasses.replace(s, n=1, max_tokens=budget), request_seed, [mt.call_end_id]
+            )
+
+        turns = VLLMTurns(self.llm, params_for, seed if self.use_v2 else None, s.logprobs)
+        with seeded_rng(None if self.use_v2 else seed):  # V1: one torch stream for the whole call
+            return mt.run_continuous(prompts, s.n, turns, s.max_tokens)
 
     def _turn(
         self,

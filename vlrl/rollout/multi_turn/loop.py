@@ -1,9 +1,16 @@
-"""The per-turn loop: every active sample generates until the end of a tool call or EOS, calls run in
-the tool pool, results are appended, and finished samples leave; then one `RolloutBatch`.
+"""The turn loops: every sample generates until the end of a tool call or EOS, calls run in the tool
+pool, results are appended, finished samples leave; then one `RolloutBatch`.
 
-The engine is abstract here: `generate_turn(requests, max_tokens, turn)` takes
-[(unexpanded context ids, images)] with each request's token budget and returns
-[(sampled ids, log-probs or None)], stopping at `stop_token_ids` (EOS + the end-of-call token).
+Two drivers of the same per-sample logic (`_take_turn`, `_run_calls`, `_interact`):
+
+- `run` (per turn, the reference): `generate_turn(requests, max_tokens, turn)` takes
+  [(unexpanded context ids, images)] with each request's token budget and returns
+  [(sampled ids, log-probs or None)]; every turn of the batch waits for its slowest sample.
+- `run_continuous`: a `TurnEngine` takes turns one request each and, step by step, hands back the
+  turns that ended; a sample's next turn is queued as soon as its tool answered, while the others
+  keep decoding.
+
+Both stop a turn at `stop_token_ids` (EOS + the end-of-call token).
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from vlrl.protocol import PromptBatch, RolloutBatch
 from vlrl.rollout.multi_turn.parsing import CALL_END, ToolCall, parse_tool_call
@@ -25,6 +32,21 @@ logger = logging.getLogger(__name__)
 
 Request = tuple[list[int], list[Any]]
 GenerateTurn = Callable[[list[Request], list[int], int], list[tuple[list[int], Sequence[float] | None]]]
+TurnRequest = tuple[int, list[int], list[Any], int, int]  # (sample key, context ids, images, budget, turn)
+EndedTurn = tuple[int, list[int], Sequence[float] | None]  # (sample key, sampled ids, log-probs or None)
+
+
+class TurnEngine(Protocol):
+    """An engine driven request by request (`run_continuous`)."""
+
+    def submit(self, turns: list[TurnRequest]) -> None:
+        """Queue one assistant turn per entry (unexpanded context, images, token budget, turn index)."""
+
+    def step(self) -> list[EndedTurn]:
+        """Advance the engine one scheduler step; the turns that ended in it."""
+
+    def busy(self) -> bool:
+        """Whether any submitted turn has not ended yet."""
 
 
 def call_end_token_id(tokenizer: Any) -> int:
@@ -83,8 +105,48 @@ class MultiTurnRollout:
     ) -> RolloutBatch:
         """n trajectories per prompt (a prompt's samples adjacent); `max_tokens` (default
         data.max_response_length) bounds each whole response, tool and user turns included."""
-        max_response_length = self._limit = max_tokens or self.max_response_length
-        trajectories = [
+        trajectories = self._start(prompts, n, max_tokens)
+        turn = 0
+        while True:
+            active = [t for t in trajectories if not t.done and self._fits(t)]
+            if not active:
+                break
+            budgets = [t.budget(self._limit, self.max_model_len) for t in active]
+            outputs = generate_turn([(t.context_ids, t.images) for t in active], budgets, turn)
+            calls: list[tuple[Trajectory, ToolCall | Any]] = []
+            finished: list[Trajectory] = []
+            for t, (ids, log_probs) in zip(active, outputs):
+                self._take_turn(t, list(ids), log_probs, calls, finished)
+            self._run_calls(calls)
+            self._interact(finished)
+            turn += 1
+        return assemble_trajectories(prompts, trajectories, self.pad_token_id, self.encoder.positions)
+
+    def run_continuous(
+        self, prompts: PromptBatch, n: int, engine: TurnEngine, max_tokens: int | None = None
+    ) -> RolloutBatch:
+        """As `run`, but no turn waits for the others: after each engine step the turns that ended
+        there (in sample order) have their calls run, and their next turns are queued before the
+        next step. Tools run between steps, so which requests share a step, hence the sampling,
+        depends on the inputs and the tools' answers only, never on timing."""
+        trajectories = self._start(prompts, n, max_tokens)
+        turns = [0] * len(trajectories)
+        engine.submit(self._next_turns(trajectories, range(len(trajectories)), turns))
+        while engine.busy():
+            ended = sorted(engine.step(), key=lambda e: e[0])
+            calls: list[tuple[Trajectory, ToolCall | Any]] = []
+            finished: list[Trajectory] = []
+            for key, ids, log_probs in ended:
+                self._take_turn(trajectories[key], list(ids), log_probs, calls, finished)
+                turns[key] += 1
+            self._run_calls(calls)
+            self._interact(finished)
+            engine.submit(self._next_turns(trajectories, [key for key, _, _ in ended], turns))
+        return assemble_trajectories(prompts, trajectories, self.pad_token_id, self.encoder.positions)
+
+    def _start(self, prompts: PromptBatch, n: int, max_tokens: int | None) -> list[Trajectory]:
+        self._limit = max_tokens or self.max_response_length
+        return [
             Trajectory(
                 prompt_row=i // n,
                 context_ids=list(prompts.raw_prompt_ids[i // n]),
@@ -95,38 +157,41 @@ class MultiTurnRollout:
             )
             for i in range(len(prompts) * n)
         ]
-        turn = 0
-        while True:
-            active = [t for t in trajectories if not t.done]
-            for t in active:
-                if t.budget(max_response_length, self.max_model_len) < 1:
-                    t.stop_reason = "overflow"
-            active = [t for t in active if not t.done]
-            if not active:
-                break
-            budgets = [t.budget(max_response_length, self.max_model_len) for t in active]
-            outputs = generate_turn([(t.context_ids, t.images) for t in active], budgets, turn)
-            calls: list[tuple[Trajectory, ToolCall | Any]] = []
-            finished: list[Trajectory] = []
-            for t, (ids, log_probs) in zip(active, outputs):
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                t.add_generated(list(ids), log_probs, text)
-                last = ids[-1] if ids else None
-                if last == self.call_end_id:
-                    if t.assistant_turns >= self.config.max_assistant_turns:
-                        t.stop_reason = "turn_limit"
-                    else:
-                        calls.append(
-                            (t, parse_tool_call(self.tokenizer.decode(ids, skip_special_tokens=False)))
-                        )
-                elif last in self.eos_token_ids:
-                    finished.append(t)
-                else:
-                    t.stop_reason = "length"
-            self._run_calls(calls)
-            self._interact(finished)
-            turn += 1
-        return assemble_trajectories(prompts, trajectories, self.pad_token_id, self.encoder.positions)
+
+    def _fits(self, t: Trajectory) -> bool:
+        """Whether another assistant turn has room for a token (else the trajectory ends: overflow)."""
+        if t.budget(self._limit, self.max_model_len) < 1:
+            t.stop_reason = "overflow"
+        return not t.done
+
+    def _next_turns(self, trajectories: list[Trajectory], keys: Any, turns: list[int]) -> list[TurnRequest]:
+        return [
+            (k, t.context_ids, t.images, t.budget(self._limit, self.max_model_len), turns[k])
+            for k in keys
+            if not (t := trajectories[k]).done and self._fits(t)
+        ]
+
+    def _take_turn(
+        self,
+        t: Trajectory,
+        ids: list[int],
+        log_probs: Sequence[float] | None,
+        calls: list[tuple[Trajectory, ToolCall | Any]],
+        finished: list[Trajectory],
+    ) -> None:
+        """Append a sampled turn; sort the trajectory into `calls` (ended at a call), `finished`
+        (ended at EOS) or done (turn limit, length)."""
+        t.add_generated(ids, log_probs, self.tokenizer.decode(ids, skip_special_tokens=True))
+        last = ids[-1] if ids else None
+        if last == self.call_end_id:
+            if t.assistant_turns >= self.config.max_assistant_turns:
+                t.stop_reason = "turn_limit"
+            else:
+                calls.append((t, parse_tool_call(self.tokenizer.decode(ids, skip_special_tokens=False))))
+        elif last in self.eos_token_ids:
+            finished.append(t)
+        else:
+            t.stop_reason = "length"
 
     def _run_calls(self, calls: list[tuple[Trajectory, Any]]) -> None:
         """Run the parsed calls in the pool (parse errors answer directly) and append the results."""
