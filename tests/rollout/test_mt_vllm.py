@@ -168,6 +168,8 @@ def test_two_ranks_multi_turn(mt, tmp_path):
         assert rank["response_mask"][0, :length].equal(reference.response_mask[0, :ref_length])
     assert ranks[0]["trajectories"][1]["tool_calls"][0]["result"] == "3"
     assert ranks[1]["trajectories"][1]["tool_errors"] == 1  # the malformed call, answered with an error
+
+
 def _trajectory_facts(batch):
     return [
         {k: info[k] for k in ("messages", "tool_calls", "stop_reason", "num_turns")}
