@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,7 +75,8 @@ class RowPreparer:
         # the processor's own bounds: its resize runs after the data bounds' rescale
         self.processor_bounds = self._pixel_bounds(SimpleNamespace(min_pixels=None, max_pixels=None))
         self.used_keys = {config.prompt_key, config.answer_key, config.image_key, config.video_key}
-        self._frame_size = None  # built on the first video (needs the video processor)
+        # frame_size(frames, height, width), built on the first video (needs the video processor)
+        self._frame_size: Callable[[int, int, int], tuple[int, int]] | None = None
 
     @property
     def vision(self) -> VisionSpec:
@@ -179,7 +181,8 @@ class RowPreparer:
 
     @property
     def temporal_patch_size(self) -> int:
-        return int(getattr(self.processor.video_processor, "temporal_patch_size", 2))
+        video_processor = getattr(self.processor, "video_processor", None)
+        return int(getattr(video_processor, "temporal_patch_size", 2))
 
     def video_grid_thw(self, videos: list[Video]) -> torch.Tensor:
         """[n_vid, 3] patch grids: (frames / temporal patch, height / patch, width / patch)."""
