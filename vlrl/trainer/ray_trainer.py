@@ -70,7 +70,9 @@ class RayPPOTrainer:
             run_root,
             lambda *probe: self.ranks.call_all("probe_shared_path", *probe),
         )
-        self.ranks.call_all("setup", self.data.max_images_per_prompt, self._optimizer_steps())
+        self.ranks.call_all(
+            "setup", self.data.max_images_per_prompt, self._optimizer_steps(), self.data.max_videos_per_prompt
+        )
 
     def _total_steps(self) -> int:
         """`trainer.max_steps` when set (epochs then repeat as needed, as in EasyR1), else batches
