@@ -84,3 +84,12 @@ def test_bad_video_fails_at_startup_naming_file_and_row(tokenizer_processor, mak
         RLDataset(path, make_config(), tokenizer, processor)
     skipped = RLDataset(path, make_config(skip_bad_rows=True), tokenizer, processor)
     assert len(skipped) == 1 and skipped.skipped_reasons == {"video": 1}
+
+
+def test_video_fps_must_be_positive():
+    from vlrl.config import PPOConfig
+    from vlrl.config_checks import check_config
+
+    config = PPOConfig()
+    config.data.video_fps = 0.0
+    assert any("data.video_fps=0.0 must be > 0" in e for e in check_config(config))
