@@ -21,6 +21,13 @@ def test_trains_on_videos(tmp_path: Path) -> None:
 
     model = build_tiny_model(tmp_path / "model", arch="qwen2_5_vl", seed=0, min_pixels=3136, max_pixels=12544)
     train, val = make_moving_square_dataset(tmp_path / "data", n_train=16, n_val=4, seed=0)
+    # A reward that varies between samples, so each step has a learning signal (an untrained model
+    # rarely says left or right; reward_functions/shapes.py, which scores the task, is unit-tested).
+    reward = tmp_path / "vowels.py"
+    reward.write_text(
+        "def compute_score(inputs):\n"
+        "    return [{'overall': sum(c in 'aeiou' for c in x.response) / max(len(x.response), 1)} for x in inputs]\n"
+    )
     out = tmp_path / "run"
     args = [
         f"config={REPO / 'examples' / 'quickstart.yaml'}",
@@ -31,12 +38,16 @@ def test_trains_on_videos(tmp_path: Path) -> None:
         "data.min_pixels=3136",  # 56x56 frames: 4 tokens per 2-frame patch, 8 per video
         "data.max_pixels=3136",
         "data.video_fps=2.0",
+        f"worker.reward.reward_function={reward}:compute_score",
         "data.rollout_batch_size=4",
         "data.max_response_length=4",
         "worker.rollout.n=4",
         "worker.actor.global_batch_size=4",
+        "worker.actor.micro_batch_size_per_device_for_update=8",
+        "worker.actor.micro_batch_size_per_device_for_experience=16",
         "algorithm.disable_kl=false",  # the reference model scores the videos too
         "algorithm.use_kl_loss=true",
+        "algorithm.kl_penalty=low_var_kl",
         "trainer.max_steps=2",
         "trainer.val_before_train=false",
         "trainer.val_freq=2",
