@@ -1,6 +1,7 @@
-"""Reward of the quickstart's synthetic shapes task (colour, shape or count of shapes in an image).
+"""Reward of the quickstart's synthetic tasks: colour, shape or count of shapes in an image, and the
+moving square's direction in a video (`make_moving_square_dataset`).
 
-The ground truth is one lowercase word such as `red`, `circle` or `3`.
+The ground truth is one lowercase word such as `red`, `circle`, `3` or `left`.
 
 Scores (sequential function, `REWARD_TYPE = "sequential"`: called once per sample):
     accuracy  1.0 when the response names the ground truth and no other answer of the task,
@@ -10,7 +11,8 @@ Scores (sequential function, `REWARD_TYPE = "sequential"`: called once per sampl
     format    1.0 when the response is a single word (letters/digits once punctuation is stripped)
     overall   accuracy (format is logged only)
 
-Other answers: those of the ground truth's kind in `vlrl.data.synthetic` (colours, shapes) or digits.
+Other answers: those of the ground truth's kind in `vlrl.data.synthetic` (colours, shapes,
+directions) or digits.
 Kwargs: none. Prompt template: format_prompts/shapes.jinja (answer with one word).
 """
 
@@ -20,11 +22,16 @@ import re
 import string
 from typing import Any
 
-from vlrl.data.synthetic import COLOURS, SHAPES
+from vlrl.data.synthetic import COLOURS, DIRECTIONS, SHAPES
 
 REWARD_TYPE = "sequential"
 _STRIP = string.punctuation + "\u201c\u201d\u2018\u2019\u00ab\u00bb\u3002\uff0c\uff01\uff1f\uff1a"
-_ANSWER_SETS = (frozenset(COLOURS), frozenset(SHAPES), frozenset(str(k) for k in range(10)))
+_ANSWER_SETS = (
+    frozenset(COLOURS),
+    frozenset(SHAPES),
+    frozenset(str(k) for k in range(10)),
+    frozenset(DIRECTIONS),
+)
 
 
 def names(response: str, answer: str) -> bool:

@@ -57,12 +57,14 @@ class DataConfig(_Section):
     image_key: str = "images"
     """Column holding a list of images (paths, PIL images, {'bytes': ...} dicts or raw bytes)."""
     video_key: str = "videos"
-    """Column holding a list of videos (lists of frames or paths)."""
+    """Column holding a list of videos, one per `<video>` marker: each a video file path (read with
+    PyAV) or a list of frame images (see docs/data.md, "Video")."""
     image_dir: str | None = None
     """Folder prepended to relative image paths; default: the data file's folder."""
     video_fps: float = 2.0
-    """Frames per second sampled from videos. Video input is not supported yet: the key loads, and a
-    dataset row with videos or a `<video>` marker fails at start-up saying so."""
+    """Frames per second sampled from video files (qwen-vl-utils' rule: 4 to 768 frames, an even
+    count); a list of frames is taken whole, as sampled at this rate. Each frame is sized within
+    `min_pixels` / `max_pixels` (at most 768 tokens per frame)."""
     max_prompt_length: int = 512
     """Maximum prompt length in tokens, counted after image tokens are expanded."""
     max_response_length: int = 512
@@ -84,9 +86,10 @@ class DataConfig(_Section):
     seed: int = 1
     """Seed of the data order."""
     min_pixels: int | None = 262144
-    """Images with fewer pixels are upscaled to at least this many (Qwen-VL rule, multiples of 28)."""
+    """Images (and video frames) with fewer pixels are upscaled to at least this many (Qwen-VL rule,
+    multiples of 28)."""
     max_pixels: int | None = 4194304
-    """Images with more pixels are downscaled to at most this many."""
+    """Images (and video frames) with more pixels are downscaled to at most this many."""
     filter_overlong_prompts: bool = True
     """Drop prompts longer than `max_prompt_length` (counted in the logs); False: such a row is an error."""
     filter_overlong_prompts_workers: int = 16

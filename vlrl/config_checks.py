@@ -79,6 +79,8 @@ def _check_batch_sizes(config: PPOConfig) -> list[str]:
     for key, value in positive.items():
         if value < 1:
             errors.append(f"{key}={value} must be >= 1")
+    if not data.video_fps > 0:
+        errors.append(f"data.video_fps={data.video_fps} must be > 0 (frames per second sampled from videos)")
     if errors:
         return errors
     if data.rollout_batch_size % actor.global_batch_size:

@@ -120,6 +120,9 @@ class PromptBatch(SampleBatch):
     ground_truths: list[Any]  # answer column per prompt
     extras: list[dict[str, Any]]  # every other dataset column, passed to the reward function
     uids: list[int]  # a unique id per prompt: becomes the group id of its n responses
+    videos: list[list[Any]] | None = (
+        None  # vlrl.data.video.Video per prompt ([] if none); None: no video field
+    )
 
 
 @dataclass
@@ -141,6 +144,7 @@ class RolloutBatch(SampleBatch):
     # Multi-turn rollouts: per sample, the turns, tool calls and counters (vlrl.rollout.multi_turn);
     # response_mask is then 1 on sampled tokens only, attention_mask on every trajectory token.
     trajectories: list[dict[str, Any]] | None = None
+    videos: list[list[Any]] | None = None  # per sample, like `images` (vlrl.data.video.Video)
     # Filled by later stages of the step:
     token_level_scores: torch.Tensor | None = None  # [N, R] reward on the last response token
     token_level_rewards: torch.Tensor | None = None  # [N, R] scores minus the KL penalty (if in reward)

@@ -34,3 +34,20 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
+
+
+def write_video(path: Path, colours: list[str], size: tuple[int, int] = (56, 56), fps: int = 4) -> str:
+    """Write an MPEG-4 video with one plain frame per colour (PyAV) and return its path as str."""
+    import av
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for colour in colours:
+            frame = av.VideoFrame.from_ndarray(np.asarray(image(colour, size)), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return str(path)

@@ -45,15 +45,20 @@ CASES = {
         "prompt key 'problem' is missing or empty",
     ),
     "absent_answer": ({"problem": "x", "images": []}, "missing_answer", "answer key 'answer' is missing"),
-    "video_column": (
-        {"problem": "<video>x", "answer": "a", "images": [], "videos": [["f1.png", "f2.png"]]},
-        "video",
-        "has 1 video(s) in column 'videos': video input is not supported yet",
-    ),
-    "video_marker": (
+    "video_marker_without_video": (
         {"problem": "<video>x", "answer": "a"},
+        "marker_count",
+        "has 1 <video> marker(s) but 0 video(s) in column 'videos'",
+    ),
+    "video_file_missing": (
+        {"problem": "<video>x", "answer": "a", "videos": ["missing.mp4"]},
         "video",
-        "has 1 <video> marker(s): video input is not supported yet",
+        "video file {dir}/missing.mp4 does not exist",
+    ),
+    "video_of_one_frame": (  # FFmpeg reads a PNG as a one-frame video
+        {"problem": "<video>x", "answer": "a", "videos": ["ok.png"]},
+        "video",
+        "video {dir}/ok.png has 1 frame(s); a video needs at least 2",
     ),
     "placeholder_in_text": (
         {"problem": "<|image_pad|> sneaky", "answer": "a"},

@@ -53,3 +53,25 @@ def test_multi_image_dataset_loads(tmp_path, tokenizer_processor, make_config):
 def test_bad_task(tmp_path):
     with pytest.raises(ValueError, match="unknown task"):
         make_shapes_dataset(tmp_path, task="size")
+
+
+def test_moving_square_videos(tmp_path, tokenizer_processor, make_config):
+    import numpy as np
+
+    from vlrl.data.dataset import RLDataset
+    from vlrl.data.synthetic import make_moving_square_dataset
+
+    train, _ = make_moving_square_dataset(tmp_path, n_train=8, n_val=2, seed=0)
+    tokenizer, processor = tokenizer_processor("qwen2_5_vl")
+    dataset = RLDataset(str(train), make_config(), tokenizer, processor)
+    answers = []
+    for k in range(len(dataset)):
+        sample = dataset[k]
+        video = sample.videos[0]
+        assert len(video.frames) == 4 and video.fps == 2.0
+        # the square's centre column (dark pixels on the light background) moves towards the answer
+        xs = [np.nonzero(np.asarray(f).min(-1) < 200)[1].mean() for f in video.frames]
+        moves = "right" if xs[-1] > xs[0] else "left"
+        assert moves == sample.ground_truth and all(np.diff(xs) != 0)
+        answers.append(sample.ground_truth)
+    assert set(answers) == {"left", "right"}

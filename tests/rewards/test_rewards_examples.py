@@ -157,6 +157,8 @@ def test_dapo_rejects_bad_kwargs():
         ("3 or 4", "3", 0, 0),
         ("three", "3", 0, 1),
         ("circle!", "circle", 1, 1),
+        ("Left.", "left", 1, 1),  # the moving-square video task
+        ("left or right", "left", 0, 0),
         ("", "red", 0, 0),
         (PAD, "red", 0, 0),
         (PAD + " red", "red", 1, 0),

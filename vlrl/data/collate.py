@@ -25,6 +25,8 @@ class PromptSample:
     extras: dict[str, Any] = field(default_factory=dict)  # the row's other columns
     uid: int = 0  # unique per dataset row, stable across epochs
     image_grid_thw: torch.Tensor | None = None  # [n_img, 3] patch grid per image (None without images)
+    videos: list[Any] = field(default_factory=list)  # vlrl.data.video.Video, sampled and resized
+    video_grid_thw: torch.Tensor | None = None  # [n_vid, 3] (frames / 2, h / patch, w / patch)
 
 
 def collate_prompts(samples: Sequence[PromptSample], pad_token_id: int) -> PromptBatch:
@@ -53,4 +55,5 @@ def collate_prompts(samples: Sequence[PromptSample], pad_token_id: int) -> Promp
         ground_truths=[s.ground_truth for s in samples],
         extras=[dict(s.extras) for s in samples],
         uids=[s.uid for s in samples],
+        videos=[list(s.videos) for s in samples],
     )

@@ -176,6 +176,11 @@ class RLDataset(torch.utils.data.Dataset):
                 if cells:
                     tokens = self.prep.tokens_per_image(self.prep.target_sizes(cells, source.image_dir))
                     extra = sum(tokens) - len(tokens)  # each image's one placeholder becomes n tokens
+                video_cells = self.prep.video_cells(row)
+                if video_cells:  # decoded here: a bad video fails now, naming its row
+                    extra += self.prep.video_extra_tokens(
+                        self.prep.load_videos(video_cells, source.image_dir)
+                    )
             except (RowProblem, ImageProblem) as err:
                 self._bad_row(source, row_idx, err)
                 continue
@@ -201,7 +206,7 @@ class RLDataset(torch.utils.data.Dataset):
                 self.num_filtered_overlong += 1
             else:
                 raise DataError(
-                    f"prompt is {length} tokens (images expanded), longer than data.max_prompt_length={limit}; "
+                    f"prompt is {length} tokens (images and videos expanded), longer than data.max_prompt_length={limit}; "
                     "raise the limit, lower data.max_pixels, or set data.filter_overlong_prompts=true",
                     file=source.name,
                     row=row_idx,

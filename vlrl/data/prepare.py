@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,7 +20,14 @@ from vlrl.data.images import (
     scale_into_bounds,
     smart_resize,
 )
-from vlrl.data.prompts import ChatFormatter, FormatPrompt, count_markers, expand_image_tokens
+from vlrl.data.prompts import (
+    ChatFormatter,
+    FormatPrompt,
+    count_markers,
+    expand_image_tokens,
+    expand_video_tokens,
+)
+from vlrl.data.video import Video, frame_size_rule, load_video
 from vlrl.models.processor import VisionSpec, vision_spec
 from vlrl.models.rope import mrope_position_ids, text_position_ids
 
@@ -67,6 +75,8 @@ class RowPreparer:
         # the processor's own bounds: its resize runs after the data bounds' rescale
         self.processor_bounds = self._pixel_bounds(SimpleNamespace(min_pixels=None, max_pixels=None))
         self.used_keys = {config.prompt_key, config.answer_key, config.image_key, config.video_key}
+        # frame_size(frames, height, width), built on the first video (needs the video processor)
+        self._frame_size: Callable[[int, int, int], tuple[int, int]] | None = None
 
     @property
     def vision(self) -> VisionSpec:
@@ -104,18 +114,18 @@ class RowPreparer:
             normalize_answer(row[cfg.answer_key], cfg.answer_key)
         except AnswerProblem as err:
             raise RowProblem(str(err), "bad_answer") from None
-        videos = _parse_cell_list(row.get(cfg.video_key))
-        if videos:
-            raise RowProblem(
-                f"has {len(videos)} video(s) in column {cfg.video_key!r}: video input is not supported yet",
-                "video",
-            )
+        videos = self.video_cells(row)
         images = _parse_cell_list(row.get(cfg.image_key))
         text = self.format.render(content) if self.format else content
         n_image_markers, n_video_markers = count_markers(text)
-        if n_video_markers:
+        if n_video_markers != len(videos):
             raise RowProblem(
-                f"has {n_video_markers} <video> marker(s): video input is not supported yet", "video"
+                f"has {n_video_markers} <video> marker(s) but {len(videos)} video(s) in column {cfg.video_key!r}",
+                "marker_count",
+            )
+        if videos and self.processor is None:
+            raise RowProblem(
+                f"has {len(videos)} video(s) but the model is text-only (no video processor)", "text_model"
             )
         if n_image_markers != len(images):
             raise RowProblem(
@@ -127,12 +137,82 @@ class RowPreparer:
                 f"has {len(images)} image(s) but the model is text-only (no image processor)", "text_model"
             )
         prompt = self.chat(text)
-        if self.spec is not None and prompt.count(self.spec.image_token) != len(images):
-            raise RowProblem(
-                f"the prompt text itself contains the placeholder token {self.spec.image_token}",
-                "placeholder_in_text",
-            )
+        if self.spec is not None:
+            for token, count in ((self.spec.image_token, len(images)), (self.video_token, len(videos))):
+                if prompt.count(token) != count:
+                    raise RowProblem(
+                        f"the prompt text itself contains the placeholder token {token}",
+                        "placeholder_in_text",
+                    )
         return prompt, images
+
+    # ---- videos (vlrl.data.video)
+    def video_cells(self, row: dict[str, Any]) -> list[Any]:
+        """The row's videos: each a file path or a list of frames."""
+        cell = row.get(self.config.video_key)
+        if isinstance(cell, str) and cell.lstrip().startswith("["):
+            return _parse_cell_list(cell)
+        return image_list(cell)
+
+    @property
+    def video_token(self) -> str:
+        return getattr(self.processor, "video_token", "<|video_pad|>")
+
+    def load_videos(self, cells: list[Any], image_dir: str) -> list[Video]:
+        """Read, sample and resize each video (raises VideoProblem)."""
+        if not cells:
+            return []
+        if self._frame_size is None:
+            assert self.processor is not None  # text() refused videos for a text model
+            size = getattr(self.processor.video_processor, "size", None) or {}
+            factor = self.vision.factor
+            bounds = (
+                int(size.get("shortest_edge") or factor * factor),
+                int(size.get("longest_edge") or 1 << 40),
+            )
+            self._frame_size = frame_size_rule(
+                self.vision.family,
+                factor,
+                self.temporal_patch_size,
+                (self.config.min_pixels, self.config.max_pixels),
+                bounds,
+            )
+        return [load_video(cell, image_dir, self.config.video_fps, self._frame_size) for cell in cells]
+
+    @property
+    def temporal_patch_size(self) -> int:
+        video_processor = getattr(self.processor, "video_processor", None)
+        return int(getattr(video_processor, "temporal_patch_size", 2))
+
+    def video_grid_thw(self, videos: list[Video]) -> torch.Tensor:
+        """[n_vid, 3] patch grids: (frames / temporal patch, height / patch, width / patch)."""
+        patch, tp = self.vision.patch_size, self.temporal_patch_size
+        rows = [[len(v.frames) // tp, v.size[1] // patch, v.size[0] // patch] for v in videos]
+        return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
+
+    def second_per_grid_ts(self, videos: list[Video]) -> list[float]:
+        """Seconds spanned by one temporal patch of each video (Qwen2.5-VL's temporal positions)."""
+        return [self.temporal_patch_size / v.sample_fps for v in videos]
+
+    def video_placeholder_ids(self, video: Video) -> list[int]:
+        """The ids one `<|video_pad|>` becomes, as the model's processor writes them: Qwen2/2.5-VL
+        one video token per merged patch; Qwen3-VL per temporal patch `<t seconds>` then that
+        frame's tokens between vision start/end."""
+        spec, tp = self.vision, self.temporal_patch_size
+        width, height = video.size
+        per_frame = (height // spec.factor) * (width // spec.factor)
+        if spec.family != "qwen3_vl":
+            return [spec.video_token_id] * (len(video.frames) // tp * per_frame)
+        start = getattr(self.processor, "vision_start_token", "<|vision_start|>")
+        end = getattr(self.processor, "vision_end_token", "<|vision_end|>")
+        text = "".join(
+            f"<{t:.1f} seconds>{start}{self.video_token * per_frame}{end}" for t in video.timestamps(tp)
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def video_extra_tokens(self, videos: list[Video]) -> int:
+        """Tokens the videos add to the prompt beyond their one placeholder each."""
+        return sum(len(self.video_placeholder_ids(v)) - 1 for v in videos)
 
     def target_sizes(self, images: list[Any], image_dir: str) -> list[tuple[int, int]]:
         """(height, width) each image is resized to, read from image headers only."""
@@ -171,11 +251,16 @@ class RowPreparer:
         sizes = [self.target_size(image.height, image.width) for image in decoded]
         images = [resize_image(image, h, w) for image, (h, w) in zip(decoded, sizes)]
         grid = self.grid_thw(sizes) if images else None  # [n_img, 3]
-        input_ids = self._expand(prompt, raw_ids, images, sizes, grid, use_processor)
+        videos = self.load_videos(self.video_cells(row), image_dir)
+        video_grid = self.video_grid_thw(videos) if videos else None  # [n_vid, 3]
+        input_ids = self._expand(prompt, raw_ids, images, sizes, grid, videos, use_processor)
         if self.spec is None:
             position_ids = text_position_ids(len(input_ids))
         else:
-            position_ids = mrope_position_ids(input_ids, grid, None, **self.spec.rope_kwargs())
+            seconds = self.second_per_grid_ts(videos) if videos else None
+            position_ids = mrope_position_ids(
+                input_ids, grid, video_grid, second_per_grid_ts=seconds, **self.spec.rope_kwargs()
+            )
         extras = {k: v for k, v in row.items() if k not in self.used_keys}
         return PromptSample(
             input_ids=input_ids,
@@ -187,20 +272,36 @@ class RowPreparer:
             extras=extras,
             uid=uid,
             image_grid_thw=grid,
+            videos=videos,
+            video_grid_thw=video_grid,
         )
 
-    def _expand(self, prompt, raw_ids, images, sizes, grid, use_processor: bool) -> torch.Tensor:
+    def _expand(self, prompt, raw_ids, images, sizes, grid, videos, use_processor: bool) -> torch.Tensor:
         """[L] expanded ids: by the processor (reference path) or from the predicted grids (fast path)."""
-        if not images:
+        if not images and not videos:
             return torch.tensor(raw_ids, dtype=torch.long)
         if not use_processor:
-            expanded = expand_image_tokens(raw_ids, self.vision.image_token_id, self.tokens_per_image(sizes))
-            return torch.tensor(expanded, dtype=torch.long)
-        # Images already have the target size: do_resize=False makes the processor's resize a no-op.
+            ids = raw_ids
+            if videos:
+                per_video = [self.video_placeholder_ids(v) for v in videos]
+                ids = expand_video_tokens(ids, self.vision.video_token_id, per_video)
+            if images:
+                ids = expand_image_tokens(ids, self.vision.image_token_id, self.tokens_per_image(sizes))
+            return torch.tensor(ids, dtype=torch.long)
+        # Images and frames already have the target size: do_resize=False makes the processor's
+        # resize a no-op.
         assert self.processor is not None  # a vision spec comes from a processor
-        out = self.processor(text=[prompt], images=images, do_resize=False, return_tensors="pt")
-        if not torch.equal(out["image_grid_thw"], grid):
-            raise RuntimeError(
-                f"processor grid {out['image_grid_thw'].tolist()} != predicted {grid.tolist()} (pixel-bound mismatch)"
+        media: dict[str, Any] = {"images": images or None}
+        if videos:
+            media.update(
+                videos=[v.frames for v in videos],
+                video_metadata=[v.metadata() for v in videos],
+                do_sample_frames=False,
             )
+        out = self.processor(text=[prompt], **media, do_resize=False, return_tensors="pt")
+        for key, predicted in (("image_grid_thw", grid), ("video_grid_thw", self.video_grid_thw(videos))):
+            if key in out and not torch.equal(out[key], predicted):
+                raise RuntimeError(
+                    f"processor {key} {out[key].tolist()} != predicted {predicted.tolist()} (pixel-bound mismatch)"
+                )
         return out["input_ids"][0].long()

@@ -134,3 +134,16 @@ def expand_image_tokens(raw_ids: list[int], image_token_id: int, tokens_per_imag
         else:
             out.append(token)
     return out
+
+
+def expand_video_tokens(raw_ids: list[int], video_token_id: int, per_video: list[list[int]]) -> list[int]:
+    """Replace the k-th `video_token_id` in `raw_ids` with the ids `per_video[k]` (the processor's
+    text for that video, tokenized: video tokens, and for Qwen3-VL frame timestamps)."""
+    found = raw_ids.count(video_token_id)
+    if found != len(per_video):
+        raise ValueError(f"prompt has {found} video placeholder tokens for {len(per_video)} videos")
+    out: list[int] = []
+    videos = iter(per_video)
+    for token in raw_ids:
+        out.extend(next(videos) if token == video_token_id else [token])
+    return out

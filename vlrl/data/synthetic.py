@@ -126,3 +126,79 @@ def make_multi_image_dataset(
             rows.append((images, problem, "first" if red_first else "second", {"task": "multi_image"}))
         paths.append(_write_split(out, split, rows))
     return paths[0], paths[1]
+
+
+DIRECTIONS = ("left", "right")
+VIDEO_QUESTION = "<video>Which way does the square move, left or right?"
+
+
+def moving_square_frames(
+    rng: random.Random, direction: str, frames: int = 4, size: int = 56
+) -> list[Image.Image]:
+    """`frames` images of one coloured square crossing the canvas towards `direction`."""
+    colour = COLOURS[rng.choice(sorted(COLOURS))]
+    side = size // 4
+    y = rng.randint(2, size - side - 2)
+    xs = [round(2 + k * (size - side - 4) / (frames - 1)) for k in range(frames)]
+    if direction == "left":
+        xs.reverse()
+    out = []
+    for x in xs:
+        image = Image.new("RGB", (size, size), BACKGROUND)
+        ImageDraw.Draw(image).rectangle((x, y, x + side, y + side), fill=colour)
+        out.append(image)
+    return out
+
+
+def _write_mp4(path: Path, frames: list[Image.Image], fps: int) -> None:
+    import av
+    import numpy as np
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height = frames[0].size
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.asarray(frame), format="rgb24")))
+        container.mux(stream.encode())
+
+
+def make_moving_square_dataset(
+    out_dir: str | Path,
+    n_train: int = 256,
+    n_val: int = 32,
+    seed: int = 0,
+    frames: int = 4,
+    image_size: int = 56,
+    fps: int = 2,
+    as_frames: bool = False,
+) -> tuple[Path, Path]:
+    """A video task: a square moves left or right; answer `left` or `right`.
+
+    Each video is an MPEG-4 file of `frames` frames at `fps` (`videos/{split}_{i}.mp4`), or with
+    `as_frames` a list of PNG frames (`videos/{split}_{i}_{k}.png`). Rows:
+    {"problem": "<video>Which way ...?", "answer": "left", "videos": ["videos/train_00000.mp4"]}"""
+    if frames < 2:
+        raise ValueError("a moving square needs at least 2 frames")
+    out = Path(out_dir)
+    (out / "videos").mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, n, split_seed in (("train", n_train, seed), ("val", n_val, seed + 1_000_003)):
+        rng = random.Random(split_seed)
+        path = out / f"{split}.jsonl"
+        with open(path, "w", encoding="utf-8") as f:
+            for i in range(n):
+                direction = rng.choice(DIRECTIONS)
+                clip = moving_square_frames(rng, direction, frames, image_size)
+                stem = f"videos/{split}_{i:05d}"
+                if as_frames:
+                    for k, frame in enumerate(clip):
+                        frame.save(out / f"{stem}_{k}.png")
+                    video: Any = [f"{stem}_{k}.png" for k in range(frames)]
+                else:
+                    _write_mp4(out / f"{stem}.mp4", clip, fps)
+                    video = f"{stem}.mp4"
+                record = {"problem": VIDEO_QUESTION, "answer": direction, "videos": [video], "task": "video"}
+                f.write(json.dumps(record) + "\n")
+        paths.append(path)
+    return paths[0], paths[1]

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vlrl.models.attention import make_varlen_info
 from vlrl.models.sampling import SamplingDistribution
-from vlrl.models.shared_images import IMAGE_INDEX_KWARG, IMAGE_ROWS_KWARG
+from vlrl.models.shared_images import IMAGE_INDEX_KWARG, IMAGE_ROWS_KWARG, VIDEO_INDEX_KWARG
 from vlrl.models.ulysses import SequenceParallel, gather_tokens, token_bounds
 
 LOGIT_CHUNK = 2048  # rows of logits upcast to fp32 at a time: bounds the [M, V] fp32 temporaries
@@ -45,6 +45,8 @@ class Anchor:
     position_ids: Tensor  # [k] or [3, k]
     pixel_values: Tensor | None = None  # [patches, D] for a dummy image, else None
     image_grid_thw: Tensor | None = None  # [1, 3]
+    pixel_values_videos: Tensor | None = None  # [patches, D] for a dummy video, else None
+    video_grid_thw: Tensor | None = None  # [1, 3]
 
 
 @dataclass
@@ -71,28 +73,59 @@ def scored_positions(attention_mask: Tensor, prompt_length: int) -> tuple[Tensor
     return rows, cols
 
 
+VideoInputs = tuple[Tensor, Tensor, "list[int] | None"]
+"""pixel_values_videos [patches, D], video_grid_thw [n_vid, 3], video index (as image_index)."""
+
+
 def _vision_kwargs(
-    pixel_values: Tensor | None, grid: Tensor | None, anchor: Anchor | None, image_index: list[int] | None
+    pixel_values: Tensor | None,
+    grid: Tensor | None,
+    anchor: Anchor | None,
+    image_index: list[int] | None,
+    videos: VideoInputs | None = None,
 ) -> dict[str, Any]:
-    """pixel_values / image_grid_thw of the micro-batch, with the anchor's dummy image last.
+    """pixel_values / image_grid_thw (and pixel_values_videos / video_grid_thw) of the micro-batch,
+    with the anchor's dummy image (video) last.
 
     `image_index` (per image in token order: its row in `grid`) when images are shared, see
-    vlrl.models.shared_images."""
+    vlrl.models.shared_images; the video index likewise."""
+    kwargs = _media_kwargs(
+        ("pixel_values", "image_grid_thw", IMAGE_INDEX_KWARG),
+        None if pixel_values is None or grid is None else (pixel_values, grid, image_index),
+        None if anchor is None else (anchor.pixel_values, anchor.image_grid_thw),
+    )
+    kwargs.update(
+        _media_kwargs(
+            ("pixel_values_videos", "video_grid_thw", VIDEO_INDEX_KWARG),
+            videos,
+            None if anchor is None else (anchor.pixel_values_videos, anchor.video_grid_thw),
+        )
+    )
+    return kwargs
+
+
+def _media_kwargs(
+    names: tuple[str, str, str],
+    media: tuple[Tensor, Tensor, list[int] | None] | None,
+    dummy: tuple[Tensor | None, Tensor | None] | None,
+) -> dict[str, Any]:
+    """{pixels, grid[, index]} of one modality: the micro-batch's, then the anchor's dummy."""
     pv: list[Tensor] = []
     gr: list[Tensor] = []
-    if pixel_values is not None and grid is not None:
-        pv.append(pixel_values)
-        gr.append(grid)
-    if anchor is not None and anchor.pixel_values is not None and anchor.image_grid_thw is not None:
-        pv.append(anchor.pixel_values)
-        gr.append(anchor.image_grid_thw)
+    if media is not None:
+        pv.append(media[0])
+        gr.append(media[1])
+    anchored = dummy is not None and dummy[0] is not None and dummy[1] is not None
+    if anchored:
+        pv.append(dummy[0])  # type: ignore[index,arg-type]
+        gr.append(dummy[1])  # type: ignore[index,arg-type]
     if not pv:
         return {}
-    kwargs: dict[str, Any] = {"pixel_values": torch.cat(pv, 0), "image_grid_thw": torch.cat(gr, 0)}
-    if image_index is not None:
-        anchored = anchor is not None and anchor.pixel_values is not None
-        extra = [0 if grid is None else len(grid)] if anchored else []  # the anchor's image comes last
-        kwargs[IMAGE_INDEX_KWARG] = list(image_index) + extra
+    kwargs: dict[str, Any] = {names[0]: torch.cat(pv, 0), names[1]: torch.cat(gr, 0)}
+    index = media[2] if media is not None else None
+    if index is not None:
+        extra = [len(media[1])] if anchored else []  # type: ignore[index]  # the dummy comes last
+        kwargs[names[2]] = list(index) + extra
     return kwargs
 
 
@@ -106,6 +139,7 @@ def build_packed_inputs(
     image_grid_thw: Tensor | None = None,
     image_index: list[int] | None = None,
     anchor: Anchor | None = None,
+    videos: VideoInputs | None = None,
     attention_backend: str = "auto",
     sp: SequenceParallel | None = None,
     pad_token_id: int = 0,
@@ -133,13 +167,15 @@ def build_packed_inputs(
         pos = torch.cat([pos, anchor.position_ids.to(pos)], dim=-1)
         lengths.append(anchor.token_ids.numel())
         keep = torch.cat([keep, torch.tensor([start + anchor.token_ids.numel() - 1], device=keep.device)])
-    vision = _vision_kwargs(pixel_values, image_grid_thw, anchor, image_index)
+    vision = _vision_kwargs(pixel_values, image_grid_thw, anchor, image_index, videos)
     targets = input_ids[rows, prompt_length + cols]
     inputs = ForwardInputs(
         {}, rows, cols, targets, n, length - prompt_length, anchor is not None, padded=False
     )
     if sp is not None:
         ids, pos, lengths = _pad_row(ids, pos, lengths, sp.size, pad_token_id)
+        if "pixel_values_videos" in vision:
+            raise ValueError("sequence parallelism (worker.actor.ulysses_size > 1) does not take videos yet")
         if vision:
             vision[IMAGE_ROWS_KWARG] = _image_rows(ids, sp, image_token_id)
         ids, pos, keep, inputs.sp_counts = _sequence_slice(ids, pos, keep, rows.numel(), sp)
@@ -202,6 +238,7 @@ def build_padded_inputs(
     image_grid_thw: Tensor | None = None,
     image_index: list[int] | None = None,
     anchor: Anchor | None = None,
+    videos: VideoInputs | None = None,
 ) -> ForwardInputs:
     """Rows as they are; the anchor becomes one more row, its tokens at the end (left-padded)."""
     n, length = input_ids.shape
@@ -226,7 +263,7 @@ def build_padded_inputs(
         "attention_mask": attention_mask,
         "position_ids": pos,
         "logits_to_keep": response_length + 1,  # positions P-1 .. L-1; the last one is dropped
-        **_vision_kwargs(pixel_values, image_grid_thw, anchor, image_index),
+        **_vision_kwargs(pixel_values, image_grid_thw, anchor, image_index, videos),
     }
     targets = input_ids[rows, prompt_length + cols]
     return ForwardInputs(kwargs, rows, cols, targets, n, response_length, anchor is not None, padded=True)

@@ -13,6 +13,9 @@ All three Qwen-VL generations return `pooler_output` as a tuple of per-image ten
 `deepstack_features`: one such tuple per deepstack layer) and concatenate them in the forward, which
 is what the indexing relies on; `share_image_features` refuses a model without `get_image_features`.
 
+Videos work the same way with `vlrl_video_index` (per video in token order: its position among
+the distinct videos), wrapping `get_video_features`.
+
 Ulysses sequence parallelism (vlrl.models.ulysses) passes `vlrl_image_rows=(a, b)` as well: the
 rank holds image tokens a..b-1 of the micro-batch (in token order), so only those feature rows are
 returned (every rank of the group encodes all the images; see `_rows`).
@@ -27,6 +30,8 @@ import torch
 
 IMAGE_INDEX_KWARG = "vlrl_image_index"
 IMAGE_ROWS_KWARG = "vlrl_image_rows"
+VIDEO_INDEX_KWARG = "vlrl_video_index"  # the same for videos (`get_video_features`)
+_OURS = (IMAGE_INDEX_KWARG, IMAGE_ROWS_KWARG, VIDEO_INDEX_KWARG)
 
 
 def _select(per_image: Any, index: list[int]) -> tuple:
@@ -41,8 +46,22 @@ def _rows(per_image: Any, rows: tuple[int, int]) -> tuple:
     return (torch.cat(tuple(per_image), 0)[rows[0] : rows[1]],)
 
 
+def _pick(output: Any, pick: Any, arg: Any) -> Any:
+    """`output` with its per-item features (and deepstack features) reduced by `pick(.., arg)`."""
+    output.pooler_output = pick(output.pooler_output, arg)
+    deepstack = getattr(output, "deepstack_features", None)
+    if deepstack is not None:
+        output.deepstack_features = [pick(layer, arg) for layer in deepstack]
+    return output
+
+
 def share_image_features(model: torch.nn.Module) -> None:
-    """Make `model` accept `vlrl_image_index` (see the module docstring); idempotent."""
+    """Make `model` accept `vlrl_image_index` / `vlrl_video_index` (see the module docstring);
+    idempotent.
+
+    The forward hands its kwargs to both `get_image_features` and `get_video_features`, and
+    Qwen3-VL's `get_video_features` calls `get_image_features`: each wrapper takes every vlrl
+    kwarg out, applies only its own modality's, and calls the original without them."""
     inner = getattr(model, "model", model)
     original = getattr(inner, "get_image_features", None)
     if original is None:
@@ -52,17 +71,25 @@ def share_image_features(model: torch.nn.Module) -> None:
 
     @functools.wraps(original)
     def get_image_features(pixel_values, image_grid_thw=None, **kwargs):
-        index = kwargs.pop(IMAGE_INDEX_KWARG, None)
-        rows = kwargs.pop(IMAGE_ROWS_KWARG, None)
+        mine = {k: kwargs.pop(k, None) for k in _OURS}
         output = original(pixel_values, image_grid_thw, **kwargs)
-        for pick, arg in ((_select, index), (_rows, rows)):
-            if arg is None:
-                continue
-            output.pooler_output = pick(output.pooler_output, arg)
-            deepstack = getattr(output, "deepstack_features", None)
-            if deepstack is not None:
-                output.deepstack_features = [pick(layer, arg) for layer in deepstack]
+        for pick, arg in ((_select, mine[IMAGE_INDEX_KWARG]), (_rows, mine[IMAGE_ROWS_KWARG])):
+            if arg is not None:
+                output = _pick(output, pick, arg)
         return output
 
     get_image_features.vlrl_shared = True  # type: ignore[attr-defined]
     inner.get_image_features = get_image_features
+    original_video = getattr(inner, "get_video_features", None)
+    if original_video is None:
+        return
+
+    @functools.wraps(original_video)
+    def get_video_features(pixel_values_videos, video_grid_thw=None, **kwargs):
+        mine = {k: kwargs.pop(k, None) for k in _OURS}
+        output = original_video(pixel_values_videos, video_grid_thw, **kwargs)
+        if mine[VIDEO_INDEX_KWARG] is not None:
+            output = _pick(output, _select, mine[VIDEO_INDEX_KWARG])
+        return output
+
+    inner.get_video_features = get_video_features

@@ -57,18 +57,27 @@ def create_rollout_engine(
     tokenizer: Any,
     processor: Any | None = None,
     limit_images: int | None = None,
+    limit_videos: int = 0,
 ) -> RolloutEngine:
     """The engine `config.name` names (vllm | hf) for this rank.
 
-    `limit_images`: the most images a prompt of the data has (used when `config.limit_images` is 0).
+    `limit_images`: the most images a prompt of the data has (used when `config.limit_images` is 0);
+    `limit_videos`: the most videos (the HF engine takes none).
     The vLLM engine needs an initialized torch.distributed world (one rank is fine).
     """
     if config.name == "vllm":
         from vlrl.rollout.vllm_engine import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(config, data_config, model_path, tokenizer, processor, limit_images)
+        return VLLMRolloutEngine(
+            config, data_config, model_path, tokenizer, processor, limit_images, limit_videos
+        )
     if config.name == "hf":
         from vlrl.rollout.hf_engine import HFRolloutEngine
+
+        if limit_videos:
+            raise ValueError(
+                "the data has videos, which only the vLLM engine takes: set worker.rollout.name=vllm"
+            )
 
         return HFRolloutEngine(config, data_config, model_path, tokenizer, processor, limit_images)
     raise ValueError(f"worker.rollout.name={config.name!r} is unknown; choose vllm or hf")

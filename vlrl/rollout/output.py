@@ -70,6 +70,7 @@ def assemble_rollout_batch(
         group_ids=torch.as_tensor(list(expanded.uids), dtype=torch.long),
         prompt_length=int(prompts.input_ids.shape[1]),
         images=expanded.images,
+        videos=expanded.videos,
         prompts=expanded.prompts,
         ground_truths=expanded.ground_truths,
         extras=expanded.extras,

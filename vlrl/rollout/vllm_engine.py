@@ -79,6 +79,7 @@ def llm_kwargs(
     seed: int,
     limit_images: int | None,
     banned_token_ids: Sequence[int],
+    limit_videos: int = 0,
     on_gpu: bool,
     visible_gpus: int,
     use_v2_runner: bool,
@@ -86,7 +87,7 @@ def llm_kwargs(
 ) -> dict[str, Any]:
     """The `vllm.LLM(...)` arguments for one rank (pure: tested without building an engine).
 
-    limit_images: images per prompt, None for a text model. visible_gpus: GPUs this process sees
+    limit_images: images per prompt, None for a text model; limit_videos: videos per prompt. visible_gpus: GPUs this process sees
     (`torch.cuda.device_count()`; 1 under Ray). use_v2_runner: `vllm_hooks.uses_v2_runner()`.
     kv_cache_bytes: CPU only, the explicit KV-cache size (`vllm_hooks.cpu_kv_cache_bytes`).
     """
@@ -111,7 +112,7 @@ def llm_kwargs(
         disable_log_stats=c.disable_log_stats,
     )
     if limit_images is not None:
-        kwargs["limit_mm_per_prompt"] = {"image": limit_images, "video": 0}
+        kwargs["limit_mm_per_prompt"] = {"image": limit_images, "video": limit_videos}
     if c.enable_sleep_mode and on_gpu:  # vLLM refuses sleep mode on CPU
         kwargs["enable_sleep_mode"] = True
     if on_gpu and not vllm_hooks.custom_all_reduce_usable(c.tensor_parallel_size, visible_gpus):
@@ -134,6 +135,7 @@ class VLLMRolloutEngine(RolloutEngine):
         tokenizer: Any,
         processor: Any | None = None,
         limit_images: int | None = None,
+        limit_videos: int = 0,
     ) -> None:
         from transformers import AutoConfig
 
@@ -144,6 +146,7 @@ class VLLMRolloutEngine(RolloutEngine):
         check_moe_config(self.hf_config)
         self.is_vision = getattr(self.hf_config, "vision_config", None) is not None
         self.limit_images = resolve_limit_images(config, limit_images) if self.is_vision else 0
+        self.limit_videos = limit_videos if self.is_vision else 0  # most videos in one prompt of the data
         self.max_model_len = int(
             config.max_model_len or data_config.max_prompt_length + data_config.max_response_length
         )
@@ -214,6 +217,7 @@ class VLLMRolloutEngine(RolloutEngine):
             max_model_len=self.max_model_len,
             seed=c.seed + self.dp_rank,
             limit_images=self.limit_images if self.is_vision else None,
+            limit_videos=self.limit_videos,
             banned_token_ids=self.banned_token_ids,
             on_gpu=self.on_gpu,
             visible_gpus=torch.cuda.device_count() if self.on_gpu else 0,
@@ -261,14 +265,34 @@ class VLLMRolloutEngine(RolloutEngine):
         )
 
     def requests(self, prompts: PromptBatch) -> list[dict[str, Any]]:
-        """vLLM inputs: unexpanded ids (vLLM expands the image placeholders itself) + PIL images."""
+        """vLLM inputs: unexpanded ids (vLLM expands the image and video placeholders itself), PIL
+        images, and videos as (frames [T, H, W, 3], metadata) already sampled by the data pipeline."""
         out = []
-        for ids, images in zip(prompts.raw_prompt_ids, prompts.images):
+        videos = prompts.videos or [[] for _ in range(len(prompts))]
+        for ids, images, clips in zip(prompts.raw_prompt_ids, prompts.images, videos):
             request: dict[str, Any] = {"prompt_token_ids": list(ids)}
+            media: dict[str, Any] = {}
             if images:
-                request["multi_modal_data"] = {"image": list(images)}
+                media["image"] = list(images)
+            if clips:
+                media["video"] = [clip.vllm_item() for clip in clips]
+            if media:
+                request["multi_modal_data"] = media
             out.append(request)
         return out
+
+    def _check_videos(self, prompts: PromptBatch) -> None:
+        has_videos = any(prompts.videos or [])
+        if has_videos and self.multi_turn is not None:
+            raise ValueError(
+                "multi-turn rollouts do not take videos yet; drop the videos or multi_turn.enable"
+            )
+        for row, clips in enumerate(prompts.videos or []):
+            if len(clips) > self.limit_videos:
+                raise ValueError(
+                    f"prompt {row} has {len(clips)} video(s) but the engine was built for {self.limit_videos} "
+                    "per prompt (the most any prompt of the data has, passed at start-up)"
+                )
 
     def generate(self, prompts: PromptBatch, overrides: Mapping[str, Any] | None = None) -> RolloutBatch:
         if not self.has_weights:
@@ -280,6 +304,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self.wake_up()
         s = resolve_sampling(self.config, self.data_config.max_response_length, overrides)
         check_prompts(prompts, self.max_model_len, s.max_tokens, self.limit_images)
+        self._check_videos(prompts)
         if len(prompts) == 0:  # a data-parallel shard can be empty
             return assemble_rollout_batch(prompts, [], s.n, self.pad_token_id, self.eos_token_ids)
         # An empty cache makes a call's scheduling, hence its sampling, a function of its inputs only.

@@ -25,10 +25,10 @@ class TrainingData:
             config.data, self.tokenizer, self.processor, hf_config, tools=self.tool_schemas
         )
         self.pad_token_id = self.train_loader.pad_token_id
-        self.max_images_per_prompt = max(
-            _max_markers(loader.dataset, config.data.prompt_key)
-            for loader in (self.train_loader, self.val_loader)
-            if loader
+        loaders = [loader for loader in (self.train_loader, self.val_loader) if loader]
+        self.max_images_per_prompt = max(_max_markers(ld.dataset, config.data.prompt_key) for ld in loaders)
+        self.max_videos_per_prompt = max(
+            _max_markers(ld.dataset, config.data.prompt_key, kind=1) for ld in loaders
         )
         self._batches = iter(self.train_loader)
 
@@ -65,13 +65,14 @@ def _tool_schemas(mt: Any) -> list[dict[str, Any]] | None:
         return pool.schemas
 
 
-def _max_markers(dataset: Any, prompt_key: str) -> int:
-    """Most `<image>` markers in one prompt (the data pipeline checked they match the images)."""
+def _max_markers(dataset: Any, prompt_key: str, kind: int = 0) -> int:
+    """Most `<image>` (kind 0) or `<video>` (kind 1) markers in one prompt (the data pipeline
+    checked they match the images / videos)."""
     from vlrl.data.prompts import count_markers
 
     most = 0
     for source in dataset.sources:
         if prompt_key in source.dataset.column_names:
             for text in source.dataset[prompt_key]:
-                most = max(most, count_markers(str(text))[0])
+                most = max(most, count_markers(str(text))[kind])
     return most

@@ -96,7 +96,7 @@ class PPOTrainer:
     def _setup_ranks(self) -> AsyncRollout | None:
         """Load the models and engines (both roles at once in asynchronous mode, which then also
         forms the weight-broadcast group and checks both roles ban the same tokens)."""
-        args = (self.data.max_images_per_prompt, self._optimizer_steps())
+        args = (self.data.max_images_per_prompt, self._optimizer_steps(), self.data.max_videos_per_prompt)
         if not self.roles.separate:
             self.ranks.call_all("setup", *args)
             return None

@@ -204,7 +204,7 @@ class Actor(ShardedModel):
             move_optimizer_state(self.optimizer, self.device)
         self.module.train()
         stats = _UpdateStats()
-        image_anchor = self.any_rank_has_images(batch)
+        image_anchor = self.any_rank_has_media(batch)
         size = max(self.config.samples_per_minibatch_per_rank, 1)
         minis = [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
         count = int(self._all_reduce([len(minis)], dist.ReduceOp.MAX)[0])
@@ -246,7 +246,11 @@ class Actor(ShardedModel):
         return {"perf/actor_tokens_per_s": tokens_per_s, "perf/actor_mfu": mfu / self.world_size}
 
     def forward_backward(
-        self, mini: RolloutBatch, stats: _UpdateStats, image_anchor: bool, on_policy: bool = False
+        self,
+        mini: RolloutBatch,
+        stats: _UpdateStats,
+        image_anchor: bool | tuple[bool, bool],
+        on_policy: bool = False,
     ) -> torch.Tensor:
         """Accumulate the gradient of one mini-batch's loss (summed over ranks) into `.grad`.
 

