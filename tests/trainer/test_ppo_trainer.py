@@ -8,6 +8,7 @@ logged or returned.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,11 @@ def _trainer(assets: dict[str, Path], tmp_path: Path, *overrides: str, solved: s
 @pytest.fixture
 def make(assets: dict[str, Path], tmp_path: Path):
     """`make(*overrides, solved=...)` -> a set-up trainer, closed after the test."""
+    # An engine left by an earlier test module may tear its torch.distributed world down whenever
+    # it is garbage-collected, i.e. in the middle of this trainer's set-up: collect it now.
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     made: list[PPOTrainer] = []
 
     def build(*overrides: str, solved: str = "set()") -> PPOTrainer:
