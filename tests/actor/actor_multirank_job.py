@@ -203,17 +203,22 @@ def check_frozen_vision(model_dir: str, processor, batch: RolloutBatch, rank: in
     results["frozen_num_vision"] = len(vision)
 
 
+def kl_loss_actor(model_dir: str, world: int) -> Actor:
+    """The actor both multi-rank jobs check: KL in the loss, token-budget micro-batches."""
+    config = make_config(
+        model_dir, world, worker__rollout__temperature=TEMPERATURE, algorithm__use_kl_loss=True,
+        algorithm__kl_penalty="low_var_kl", algorithm__kl_coef=0.1, worker__actor__max_token_len_per_device=120,
+        worker__actor__micro_batch_size_per_device_for_experience=2,
+    )  # fmt: skip
+    _, processor = load_processor(model_dir)
+    return Actor(config, model_dir, processor, "cpu")
+
+
 def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     init_gloo(rank, world, port)
     results: dict[str, Any] = {}
     try:
-        config = make_config(
-            model_dir, world, worker__rollout__temperature=TEMPERATURE, algorithm__use_kl_loss=True,
-            algorithm__kl_penalty="low_var_kl", algorithm__kl_coef=0.1, worker__actor__max_token_len_per_device=120,
-            worker__actor__micro_batch_size_per_device_for_experience=2,
-        )  # fmt: skip
-        _, processor = load_processor(model_dir)
-        actor = Actor(config, model_dir, processor, "cpu")
+        actor = kl_loss_actor(model_dir, world)
         disk = load_model(model_dir, padding_free=False).state_dict()
         results["broadcast_err"] = max_diff(
             full_params(actor.module), disk, [n for n, _ in actor.module.named_parameters()]
@@ -224,7 +229,7 @@ def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
         check_loss_decreases(actor, batch, rank, results)
         check_checkpoint(actor, batch, rank, os.path.join(out_dir, "ckpt"), results)
         check_non_finite(actor, batch, rank, results)
-        check_frozen_vision(model_dir, processor, batch, rank, results)
+        check_frozen_vision(model_dir, load_processor(model_dir)[1], batch, rank, results)
         actor.save_hf(os.path.join(out_dir, "hf"))
         if rank == 0:
             saved = load_file(os.path.join(out_dir, "hf", "model.safetensors"))

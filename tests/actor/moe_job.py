@@ -7,20 +7,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from actor_helpers import init_gloo, make_config
+from actor_helpers import init_gloo
 from actor_multirank_job import (
-    TEMPERATURE,
     check_gradients,
     check_loss_decreases,
     full_params,
+    kl_loss_actor,
     max_diff,
     training_batch,
 )
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-
-from vlrl.models.processor import load_processor
-from vlrl.workers.actor import Actor
 
 EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
@@ -47,13 +44,7 @@ def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     init_gloo(rank, world, port)
     results: dict[str, Any] = {}
     try:
-        config = make_config(
-            model_dir, world, worker__rollout__temperature=TEMPERATURE, algorithm__use_kl_loss=True,
-            algorithm__kl_penalty="low_var_kl", algorithm__kl_coef=0.1, worker__actor__max_token_len_per_device=120,
-            worker__actor__micro_batch_size_per_device_for_experience=2,
-        )  # fmt: skip
-        _, processor = load_processor(model_dir)
-        actor = Actor(config, model_dir, processor, "cpu")
+        actor = kl_loss_actor(model_dir, world)
         results["shards"] = expert_shards(actor.module)
         results["moe_units"] = moe_units(actor.module)
         batch = training_batch(model_dir)
