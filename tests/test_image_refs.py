@@ -62,3 +62,19 @@ def test_rank_fetches_once_and_maps_each_reference_to_one_object() -> None:
 def test_plain_images_pass_through_resolve() -> None:
     a = Image.new("RGB", (28, 28))
     assert ImageRefs(lambda x: x, lambda xs: xs).resolve([[a]])[0][0] is a
+
+
+def test_a_batch_refers_and_fetches_images_and_videos_in_place() -> None:
+    from types import SimpleNamespace
+
+    store = _Store()
+    frames = ["frame0", "frame1"]  # any object stands for a video
+    image = Image.new("RGB", (28, 28))
+    batch = SimpleNamespace(images=[[image], [image]], videos=[[frames], []])
+    ImageRefs(store.put, store.get).refer(batch)
+    assert store.puts == 2 and isinstance(batch.videos[0][0], ImageRef) and batch.videos[1] == []
+    ImageRefs(store.put, store.get).fetch(batch)
+    assert batch.videos[0][0] == frames and batch.images[0][0] is batch.images[1][0]
+    no_videos = SimpleNamespace(images=[[image]], videos=None)
+    ImageRefs(store.put, store.get).refer(no_videos)
+    assert no_videos.videos is None

@@ -1,4 +1,5 @@
-"""Images by reference: batches between the driver and the ranks carry `ImageRef`s, not pixels.
+"""Images (and videos) by reference: batches between the driver and the ranks carry `ImageRef`s,
+not pixels.
 
 An image is put into Ray's object store once, by whoever made it (the driver for dataset images,
 a rank for images a tool returned), and every later hop of the step moves a reference of a few
@@ -58,6 +59,18 @@ class ImageRefs:
                 self._image_of[ref] = image
                 self._ref_of[id(image)] = (image, ref)
         return [[self._image_of[img] if isinstance(img, ImageRef) else img for img in row] for row in images]
+
+    def refer(self, batch: Any) -> None:
+        """`batch.images` and `batch.videos` (when present) as references, in place."""
+        batch.images = self.to_refs(batch.images)
+        if getattr(batch, "videos", None) is not None:
+            batch.videos = self.to_refs(batch.videos)
+
+    def fetch(self, batch: Any) -> None:
+        """`batch.images` and `batch.videos` (when present) as the objects, in place."""
+        batch.images = self.resolve(batch.images)
+        if getattr(batch, "videos", None) is not None:
+            batch.videos = self.resolve(batch.videos)
 
     def clear(self) -> None:
         self._ref_of.clear()

@@ -96,8 +96,11 @@ class AsyncRollout:
         if self.prefetched is None:
             return
         found = self.prefetched
-        batch = replace(found.result(), images=fetch_images(found.result().images))
-        prompts = replace(found.prompts, images=fetch_images(found.prompts.images))
+        batch, prompts = replace(found.result()), replace(found.prompts)
+        for media in (batch, prompts):
+            media.images = fetch_images(media.images)
+            if media.videos is not None:
+                media.videos = fetch_images(media.videos)
         torch.save({"step": found.step, "version": found.version, "prompts": prompts, "batch": batch},
                    os.path.join(folder, PREFETCHED))  # fmt: skip
 

@@ -271,7 +271,8 @@ class PPOTrainer:
         seed = _step_seed(rollout.seed, step) + round_ * 1_000_003
         overrides = {"seed": seed, **(overrides or {})}
         if self.image_refs is not None:
-            prompts = replace(prompts, images=self.image_refs.to_refs(prompts.images))
+            prompts = replace(prompts)  # the loader's batch keeps its objects
+            self.image_refs.refer(prompts)
         shards = split_prompts(prompts, self.config.rollout_world_size, rollout.tensor_parallel_size)
         return self.engines.submit("generate", shards, overrides=overrides)
 
@@ -353,7 +354,7 @@ class PPOTrainer:
             ahead = Prefetched(self.global_step, prompts, version, batch=self._generate(prompts))
         batch = ahead.result()
         if self.image_refs is not None:  # a batch read from a checkpoint holds pixels
-            batch.images = self.image_refs.to_refs(batch.images)
+            self.image_refs.refer(batch)
         metrics["async/staleness"] = float(version - ahead.version)
         if flow.staleness > 0 and self.global_step < self.total_steps:
             metrics.update(flow.sync_engines(version))
@@ -448,7 +449,7 @@ class PPOTrainer:
         def write_actor(folder: str) -> None:
             self.ranks.call_all("save_checkpoint", folder, model_only)
             if self.async_rollout is not None:  # the generation in flight, for an exact resume
-                self.async_rollout.save(os.path.dirname(folder), self._fetch_images)
+                self.async_rollout.save(os.path.dirname(folder), self._fetch_media)
 
         state = {
             "dataloader": self.data.state_dict(),
@@ -478,8 +479,8 @@ class PPOTrainer:
         self.global_step = state["global_step"]
         print(f"[vlrl] resumed from {path} at step {self.global_step}", flush=True)
 
-    def _fetch_images(self, images: list[list[Any]]) -> list[list[Any]]:
-        """Pixels of image references (to write them into a checkpoint)."""
+    def _fetch_media(self, images: list[list[Any]]) -> list[list[Any]]:
+        """The images or videos behind references (to write them into a checkpoint)."""
         return images if self.image_refs is None else self.image_refs.resolve(images)
 
     def close(self) -> None:

@@ -112,7 +112,7 @@ class RankWorker:
 
         The actor's shards leave the GPU first (`worker.actor.offload`) and the allocator's cached
         blocks are released, so the engine can wake into that memory; they come back afterwards."""
-        prompts.images = self._fetch_images(prompts.images)
+        self._fetch_media(prompts)
         hybrid = self.role == "hybrid"
         if hybrid:
             self.actor.offload_to_cpu()
@@ -125,7 +125,7 @@ class RankWorker:
             if hybrid:
                 self.actor.load_to_device()
         if self.image_refs is not None:  # the driver gets references back (tool images are stored here)
-            batch.images = self.image_refs.to_refs(batch.images)
+            self.image_refs.refer(batch)
         return batch
 
     def release_images(self) -> None:
@@ -134,8 +134,10 @@ class RankWorker:
         if self.image_refs is not None:
             self.image_refs.clear()
 
-    def _fetch_images(self, images: list[list[Any]]) -> list[list[Any]]:
-        return images if self.image_refs is None else self.image_refs.resolve(images)
+    def _fetch_media(self, batch: PromptBatch | RolloutBatch) -> None:
+        """Images and videos that came as references, fetched (once per step) in place."""
+        if self.image_refs is not None:
+            self.image_refs.fetch(batch)
 
     def compute_log_probs(
         self, batch: RolloutBatch, keep_rows: list[int] | None = None, with_old: bool = True
@@ -144,7 +146,7 @@ class RankWorker:
 
         `keep_rows`: the step's row ids of `batch`; the rows and their log-probs are kept for the
         update, which the driver then sends `KeptRows` instead of the whole shard again."""
-        batch.images = self._fetch_images(batch.images)
+        self._fetch_media(batch)
         temperature = self.config.worker.rollout.temperature
         old = self.actor.compute_log_probs(batch, temperature) if with_old else None
         ref = self.reference.compute_log_probs(batch, temperature) if self.reference is not None else None
@@ -163,7 +165,7 @@ class RankWorker:
         if isinstance(batch, KeptRows):
             batch = self._kept_batch(batch)
         else:
-            batch.images = self._fetch_images(batch.images)
+            self._fetch_media(batch)
         try:
             metrics = self.actor.update_policy(batch)
         finally:
