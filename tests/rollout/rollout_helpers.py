@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -183,3 +185,24 @@ def masked_entropy(
     entropy = torch.zeros(batch.responses.shape, dtype=torch.float64)
     entropy[inputs.rows, inputs.cols] = torch.distributions.Categorical(logits=logits / temperature).entropy()
     return entropy
+
+
+@contextlib.contextmanager
+def one_rank_engine(model_dir: str, **rollout_kwargs: Any) -> Iterator[Any]:
+    """A vLLM engine for `model_dir` in a one-rank gloo world; afterwards the engine, the world and
+    `torch.set_num_threads` (vLLM's CPU worker replaces it process-wide) are put back."""
+    from vlrl.models.processor import load_processor
+    from vlrl.rollout import create_rollout_engine
+
+    set_num_threads = torch.set_num_threads
+    init_world(0, 1, free_port())
+    tokenizer, processor = load_processor(model_dir)
+    engine = create_rollout_engine(
+        rollout_config(**rollout_kwargs), data_config(), model_dir, tokenizer, processor
+    )
+    try:
+        yield engine
+    finally:
+        engine.close()
+        close_world()
+        torch.set_num_threads = set_num_threads

@@ -9,15 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from rollout_helpers import (
-    close_world,
     data_config,
-    free_port,
     greedy_hf_batch,
-    init_world,
     load_hf_model,
     make_token_argmax,
     masked_entropy,
     one_rank_actor,
+    one_rank_engine,
     perturb,
     prompt_batch,
     rollout_config,
@@ -35,17 +33,8 @@ GREEDY = {"temperature": 0.0, "n": 1}
 def vl(tiny_model):
     """One engine for the module, in a one-rank gloo world that is torn down afterwards."""
     path = tiny_model("qwen2_5_vl")
-    set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide
-    init_world(0, 1, free_port())
-    tokenizer, processor = load_processor(path)
-    engine = create_rollout_engine(
-        rollout_config(calculate_log_probs=True), data_config(), path, tokenizer, processor
-    )
-    state = SimpleNamespace(path=path, engine=engine, prompts=prompt_batch(path), base=load_hf_model(path))
-    yield state
-    engine.close()
-    close_world()
-    torch.set_num_threads = set_num_threads
+    with one_rank_engine(path, calculate_log_probs=True) as engine:
+        yield SimpleNamespace(path=path, engine=engine, prompts=prompt_batch(path), base=load_hf_model(path))
 
 
 def synced(vl) -> None:

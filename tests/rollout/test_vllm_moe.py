@@ -12,19 +12,14 @@ import copy
 import pytest
 import torch
 from rollout_helpers import (
-    close_world,
-    data_config,
-    free_port,
     greedy_hf_batch,
-    init_world,
     load_hf_model,
+    one_rank_engine,
     perturb,
     prompt_batch,
-    rollout_config,
 )
 
-from vlrl.models.processor import load_processor
-from vlrl.rollout import create_rollout_engine, sync_weights, vllm_hooks
+from vlrl.rollout import sync_weights, vllm_hooks
 
 GREEDY = {"temperature": 0.0, "n": 1}
 
@@ -32,18 +27,8 @@ GREEDY = {"temperature": 0.0, "n": 1}
 @pytest.fixture(scope="module")
 def moe(tiny_model):
     path = tiny_model("qwen3_vl_moe")
-    set_num_threads = torch.set_num_threads
-    init_world(0, 1, free_port())
-    tokenizer, processor = load_processor(path)
-    engine = create_rollout_engine(
-        rollout_config(calculate_log_probs=True), data_config(), path, tokenizer, processor
-    )
-    try:
+    with one_rank_engine(path, calculate_log_probs=True) as engine:
         yield path, engine, prompt_batch(path), load_hf_model(path)
-    finally:
-        engine.close()
-        close_world()
-        torch.set_num_threads = set_num_threads
 
 
 def _assert_engine_equals_transformers(path, engine, prompts, model):
