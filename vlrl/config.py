@@ -449,6 +449,11 @@ class RewardConfig(_Section):
     """Seconds one reward call may take before it counts as a failure."""
     on_failure: str = "raise"
     """What a failing sample does: raise (stop with the file, function and sample) or zero (score 0, counted)."""
+    streaming: bool = True
+    """Score each group as soon as its samples are generated, while the rest of the batch is still
+    generating (vLLM, single-turn; the HF engine and multi-turn rollouts report their groups at the
+    end). The batch and its scores are the same either way, except that a batch reward function is
+    then called on the groups that finished together rather than on the whole batch at once."""
     memory_limit_mb: int | None = None
     """Cap on each reward worker's address space in MiB (RLIMIT_AS, set before the reward file is imported,
     so its imports count too): an allocation past it raises MemoryError in the reward, reported as out of

@@ -171,3 +171,15 @@ class KeptRows:
 
     rows: list[int]
     columns: dict[str, torch.Tensor]
+
+
+@dataclass
+class FinishedGroups:
+    """Groups whose samples have all ended, reported by an engine while the rest of its shard is
+    still generating (streamed rewards start on them at once; the shard's `RolloutBatch` follows).
+
+    `prompt_rows`: positions in the shard's `PromptBatch`; `responses`: the sampled token ids,
+    `len(responses) // len(prompt_rows)` per prompt, prompt-major (as the batch's rows)."""
+
+    prompt_rows: list[int]
+    responses: list[list[int]]

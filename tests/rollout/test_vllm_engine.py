@@ -137,6 +137,36 @@ def test_seeds_repeat_and_differ(vl):
     assert any(not g[0].equal(g[1]) for g in group)  # the samples of one prompt differ
 
 
+def test_streamed_groups_are_the_batch_rows_and_generate_samples_the_same(vl):
+    """`generate_stream` reports every group once, as it finishes, with the final batch's tokens;
+    driving the engine step by step samples exactly what one `LLM.generate` call samples."""
+    from vlrl.protocol import FinishedGroups
+    from vlrl.rollout.base import resolve_sampling, seeded_rng
+
+    synced(vl)
+    overrides = {"seed": 5, "n": 2, "max_tokens": 12}
+    *groups, batch = vl.engine.generate_stream(vl.prompts, overrides)
+    assert groups and all(isinstance(g, FinishedGroups) for g in groups)
+    assert sorted(r for g in groups for r in g.prompt_rows) == list(range(len(vl.prompts)))
+    streamed = {
+        2 * row + j: g.responses[2 * k + j]
+        for g in groups
+        for k, row in enumerate(g.prompt_rows)
+        for j in range(2)
+    }
+    s = resolve_sampling(vl.engine.config, 12, overrides)
+    vl.engine.llm.reset_prefix_cache()
+    with seeded_rng(vl.engine.call_seed(s)):  # the V1 runner's seeding, as the engine does it
+        outputs = vl.engine.llm.generate(
+            vl.engine.requests(vl.prompts), vl.engine.sampling_params(s), use_tqdm=False
+        )
+    direct = [list(o.token_ids) for out in outputs for o in sorted(out.outputs, key=lambda o: o.index)]
+    assert [streamed[i] for i in range(len(batch))] == direct
+    pad = vl.engine.pad_token_id
+    for i, ids in enumerate(direct):
+        assert batch.responses[i].tolist() == ids + [pad] * (batch.responses.shape[1] - len(ids))
+
+
 def test_sync_matches_transformers_greedy(vl):
     """Perturbed weights, synced in 1 MiB buckets: vLLM's greedy tokens equal transformers'."""
     synced(vl)

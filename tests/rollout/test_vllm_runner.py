@@ -123,22 +123,12 @@ def test_request_seeds_are_distinct_repeatable_and_int64():
     assert all(0 <= s < 2**63 for s in samples)
 
 
-class _RecordingLLM:
-    def __init__(self) -> None:
-        self.calls: list = []
-
-    def generate(self, requests, params, use_tqdm=False):
-        self.calls.append(params)
-        return []
-
-
 def v2_engine(dp_rank: int = 1) -> VLLMRolloutEngine:
-    """An engine object with the V2 runner and a recording stand-in for `vllm.LLM`."""
+    """An engine object with the V2 runner (no `vllm.LLM`: only the call parameters are asked for)."""
     engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
     engine.config, engine.dp_rank, engine.use_v2 = rollout_config(seed=4), dp_rank, True
-    engine.eos_token_ids, engine.llm = [2], _RecordingLLM()
+    engine.eos_token_ids = [2]
     engine._call_seeds = random.Random(4 + dp_rank)
-    engine.show_progress = False
     return engine
 
 
@@ -147,16 +137,15 @@ def test_v2_calls_pass_a_seed_per_request():
     a seed override the engine's own seed stream decides, the same on every run (TP peers agree)."""
     engine = v2_engine(dp_rank=1)
     seeded = resolve_sampling(engine.config, 8, {"seed": 9, "n": 3})
-    engine._generate([{}] * 4, seeded)
-    params = engine.llm.calls[-1]
+    params, torch_seed = engine._call_params(4, seeded)
+    assert torch_seed is None  # V2 does not sample from torch's generator
     assert [p.seed for p in params] == vllm_hooks.request_seeds(10, 4, 3)
     assert all(p.n == 3 for p in params)
     unseeded = resolve_sampling(engine.config, 8, {})
 
     def two_unseeded_calls(engine: VLLMRolloutEngine) -> list[list[int]]:
-        for _ in range(2):
-            engine._generate([{}] * 2, unseeded)
-        return [[p.seed for p in params] for params in engine.llm.calls[-2:]]
+        calls = [engine._call_params(2, unseeded)[0] for _ in range(2)]
+        return [[p.seed for p in params] for params in calls]
 
     first = two_unseeded_calls(v2_engine(dp_rank=1))
     assert first == two_unseeded_calls(v2_engine(dp_rank=1))  # a restarted engine repeats its stream

@@ -170,3 +170,37 @@ def test_on_policy_update_skips_the_old_log_prob_pass(make) -> None:
     # the update's own log-probs are the old ones: ratio 1, nothing clipped
     assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac_higher"] == 0.0
     assert "rollout/log_prob_diff_mean" in metrics  # engine vs the update's old log-probs
+
+
+def test_streamed_rewards_score_the_groups_as_they_finish_and_the_same_batch(make) -> None:
+    """vLLM reports groups as they finish (4 sequences run at a time, so 4 prompts x 4 samples end in
+    waves); each wave goes to the reward workers at its final rows, and the batch and its scores
+    equal those of scoring after generation."""
+    trainer = make("worker.rollout.name=vllm", "worker.rollout.max_num_seqs=4", "data.max_response_length=8")
+    adds: list[list[int]] = []
+    open_stream = trainer.rewards.stream
+
+    def spied_stream():
+        stream = open_stream()
+        add = stream.add
+        stream.add = lambda inputs, rows: (adds.append(list(rows)), add(inputs, rows))[1]
+        return stream
+
+    trainer.rewards.stream = spied_stream
+    trainer.global_step = 1
+    prompts = trainer.data.next_train_batch()
+    streamed, streamed_metrics = trainer._generate_and_score(prompts)
+    assert len(adds) > 1 and sorted(sum(adds, [])) == list(range(16))
+    after = trainer._generate(prompts)  # what worker.reward.streaming=false does: generate, then score
+    after_metrics = trainer._score(after)
+    for name in (
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "responses",
+        "response_mask",
+        "token_level_scores",
+    ):
+        assert torch.equal(getattr(streamed, name), getattr(after, name)), name
+    assert streamed.reward_parts == after.reward_parts
+    assert streamed_metrics == after_metrics

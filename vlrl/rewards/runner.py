@@ -50,10 +50,11 @@ class _Job:
 
 @dataclass
 class _Batch:
-    """State of one `score` call on the pool."""
+    """State of one scoring pass (`RewardStream`)."""
 
-    inputs: list[RewardInput]
-    outcomes: list[Outcome | None]
+    inputs: dict[int, RewardInput] = field(default_factory=dict)
+    """The samples added so far, by position."""
+    outcomes: dict[int, Outcome] = field(default_factory=dict)
     pending: deque[list[int]] = field(default_factory=deque)
     failed: bool = False
 
@@ -170,16 +171,23 @@ class RewardRunner:
     # --------------------------------------------------------------------------------- scoring
     def score(self, inputs: Sequence[RewardInput]) -> RewardResult:
         """Score `inputs`; the result's scores are in input order and all have the same parts."""
-        if self._closed:
-            raise RewardError("RewardRunner is closed")
         inputs = list(inputs)
         if not inputs:
+            self._check_open()
             return RewardResult(scores=[])
-        if self.num_workers == 0:
-            outcomes = self._score_in_process(inputs)
-        else:
-            outcomes = self._score_in_pool(inputs)
-        return self._finish(outcomes)
+        with self.stream() as stream:
+            stream.add(inputs, range(len(inputs)))
+            return stream.finish(len(inputs))
+
+    def stream(self) -> RewardStream:
+        """Score samples handed over a few at a time (`RewardStream.add`) while the caller goes on
+        with other work; use it as a context manager."""
+        self._check_open()
+        return RewardStream(self)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RewardError("RewardRunner is closed")
 
     def _score_in_process(self, inputs: list[RewardInput]) -> list[Outcome]:
         assert self.loaded is not None
@@ -190,19 +198,22 @@ class RewardRunner:
             return [RewardFailure(result.reason, chunk=(0, len(inputs) - 1))] * len(inputs)
         return result
 
-    def _score_in_pool(self, inputs: list[RewardInput]) -> list[Outcome]:
-        batch = _Batch(inputs, [None] * len(inputs), deque(_split(len(inputs), self.num_workers)))
-        try:
-            while batch.pending or self._busy():
-                if batch.failed and self.on_failure == "raise":
-                    # We are going to raise: start nothing new, but let running jobs finish (bounded
-                    # by the timeout) rather than killing healthy workers that we would have to restart.
-                    batch.pending.clear()
-                self._dispatch(batch)
-                self._collect(batch)
-        finally:
-            self._abort_busy()  # only busy after an exception (e.g. KeyboardInterrupt): no stale jobs
-        return [o if o is not None else _NOT_SCORED for o in batch.outcomes]
+    def _queue(self, batch: _Batch, positions: list[int]) -> None:
+        """Queue `positions` in up to `num_workers` contiguous chunks (unless a failure already
+        decided the outcome: `on_failure=raise` scores nothing more)."""
+        if batch.failed and self.on_failure == "raise":
+            return
+        for chunk in _split(len(positions), self.num_workers):
+            batch.pending.append([positions[i] for i in chunk])
+
+    def _pump(self, batch: _Batch, max_wait: float) -> None:
+        """Hand queued chunks to idle workers and take in what arrives within `max_wait` seconds."""
+        if batch.failed and self.on_failure == "raise":
+            # We are going to raise: start nothing new, but let running jobs finish (bounded by
+            # the timeout) rather than killing healthy workers that we would have to restart.
+            batch.pending.clear()
+        self._dispatch(batch)
+        self._collect(batch, max_wait)
 
     def _busy(self) -> list[tuple[int, WorkerProcess]]:
         return [(slot, w) for slot, w in enumerate(self._workers) if w is not None and w.job is not None]
@@ -226,12 +237,13 @@ class RewardRunner:
             self._job_ids += 1
             worker.send_job(_Job(self._job_ids, indices), [batch.inputs[i] for i in indices], self.timeout)
 
-    def _collect(self, batch: _Batch) -> None:
-        """Wait for the next message (or deadline), handle it, then enforce the deadlines."""
+    def _collect(self, batch: _Batch, max_wait: float = MEMORY_POLL_S) -> None:
+        """Wait for the next message (or deadline, at most `max_wait` s), handle it, then enforce
+        the deadlines."""
         busy = self._busy()
         if not busy:
             return
-        wait_s = max(0.0, min(MEMORY_POLL_S, min(w.deadline for _, w in busy) - time.monotonic()))
+        wait_s = max(0.0, min(max_wait, min(w.deadline for _, w in busy) - time.monotonic()))
         ready = wait([w.conn for _, w in busy], timeout=wait_s)
         for slot, worker in busy:
             worker.sample_memory()
@@ -325,3 +337,70 @@ class RewardRunner:
                 messages[0],
             )
         return RewardResult(scores=scores, failures=len(failed), failure_messages=messages)
+
+
+class RewardStream:
+    """One scoring pass over samples handed over as they become ready.
+
+    `add` queues samples at their final positions and starts them on idle workers at once; `pump`
+    takes in finished results (call it while waiting on something else); `finish` waits for the
+    rest and returns the `RewardResult` in position order. Chunks are contiguous within one `add`,
+    so a batch reward function is called once per chunk of what was added together (a group, as
+    the trainer streams them). Leaving the `with` block early kills the workers still busy, so no
+    stale answer can reach a later pass. `num_workers=0` scores in `add` itself.
+    """
+
+    def __init__(self, runner: RewardRunner) -> None:
+        self.runner = runner
+        self.batch = _Batch()
+
+    def __enter__(self) -> RewardStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.runner._abort_busy()  # only busy when leaving early (an exception): no stale jobs
+
+    def add(self, inputs: Sequence[RewardInput], positions: Sequence[int]) -> None:
+        """Queue `inputs[i]` as sample `positions[i]` (each position once)."""
+        positions = list(positions)
+        if len(positions) != len(inputs):
+            raise ValueError(f"RewardStream.add: {len(inputs)} inputs for {len(positions)} positions")
+        for position, sample in zip(positions, inputs):
+            if position in self.batch.inputs or position < 0:
+                raise ValueError(f"RewardStream.add: sample {position} is negative or added twice")
+            self.batch.inputs[position] = sample
+        if not positions:
+            return
+        if self.runner.num_workers == 0:
+            self._score_now(list(inputs), positions)
+            return
+        self.runner._queue(self.batch, positions)
+        self.pump(0.0)
+
+    def _score_now(self, inputs: list[RewardInput], positions: list[int]) -> None:
+        for position, outcome in zip(positions, self.runner._score_in_process(inputs)):
+            if isinstance(outcome, RewardFailure) and outcome.chunk is not None:  # name the positions
+                outcome = RewardFailure(outcome.reason, chunk=(positions[0], positions[-1]))
+            self.batch.record(position, outcome)
+
+    @property
+    def scored(self) -> int:
+        """Samples with an outcome so far."""
+        return len(self.batch.outcomes)
+
+    def pump(self, max_wait: float = 0.0) -> None:
+        """Start queued chunks on idle workers; take in results arriving within `max_wait` seconds."""
+        if self.runner.num_workers > 0:
+            self.runner._pump(self.batch, max_wait)
+
+    def finish(self, total: int) -> RewardResult:
+        """Wait for the added samples, which must be positions 0 .. total-1; the result in position
+        order (raises on failures in `on_failure=raise` mode, naming the file, function and sample)."""
+        if sorted(self.batch.inputs) != list(range(total)):
+            missing = total - len(self.batch.inputs.keys() & set(range(total)))
+            raise ValueError(
+                f"RewardStream.finish: {missing} of {total} samples were never added (or extra ones were)"
+            )
+        while self.runner.num_workers > 0 and (self.batch.pending or self.runner._busy()):
+            self.runner._pump(self.batch, MEMORY_POLL_S)
+        return self.runner._finish([self.batch.outcomes.get(i, _NOT_SCORED) for i in range(total)])

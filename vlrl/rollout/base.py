@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from vlrl.models.sampling import VISION_TOKENS, banned_token_ids  # noqa: F401 (engines' ban list)
-from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.protocol import FinishedGroups, PromptBatch, RolloutBatch
 from vlrl.rollout.sampling_keys import SAMPLING_KEYS
 from vlrl.rollout.weight_sync import SyncStats, bucketize
 
@@ -161,6 +161,13 @@ class RolloutEngine(ABC):
     @abstractmethod
     def generate(self, prompts: PromptBatch, overrides: Mapping[str, Any] | None = None) -> RolloutBatch:
         """n samples per prompt (group members adjacent); overrides: keys of `SAMPLING_KEYS`."""
+
+    def generate_stream(
+        self, prompts: PromptBatch, overrides: Mapping[str, Any] | None = None
+    ) -> Iterator[FinishedGroups | RolloutBatch]:
+        """`generate`, reporting groups as they finish (`FinishedGroups`), then the shard's
+        `RolloutBatch` last. By default nothing finishes early: only the batch comes."""
+        yield self.generate(prompts, overrides)
 
     def load_weights(
         self,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from vlrl.models.moe import check_engine_config as check_moe_config
-from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.protocol import FinishedGroups, PromptBatch, RolloutBatch
 from vlrl.rollout import vllm_hooks
 from vlrl.rollout.base import (
     NoWeightsError,
@@ -295,6 +295,15 @@ class VLLMRolloutEngine(RolloutEngine):
                 )
 
     def generate(self, prompts: PromptBatch, overrides: Mapping[str, Any] | None = None) -> RolloutBatch:
+        *_, batch = self.generate_stream(prompts, overrides)
+        assert isinstance(batch, RolloutBatch)
+        return batch
+
+    def generate_stream(
+        self, prompts: PromptBatch, overrides: Mapping[str, Any] | None = None
+    ) -> Iterator[FinishedGroups | RolloutBatch]:
+        """Single-turn: each engine step's finished groups as they end, then the shard's batch.
+        Multi-turn: the batch only."""
         if not self.has_weights:
             raise NoWeightsError(
                 "the vLLM engine starts with random weights: sync the actor's weights first "
@@ -306,27 +315,59 @@ class VLLMRolloutEngine(RolloutEngine):
         check_prompts(prompts, self.max_model_len, s.max_tokens, self.limit_images)
         self._check_videos(prompts)
         if len(prompts) == 0:  # a data-parallel shard can be empty
-            return assemble_rollout_batch(prompts, [], s.n, self.pad_token_id, self.eos_token_ids)
+            yield assemble_rollout_batch(prompts, [], s.n, self.pad_token_id, self.eos_token_ids)
+            return
         # An empty cache makes a call's scheduling, hence its sampling, a function of its inputs only.
         self.llm.reset_prefix_cache()
         if self.multi_turn is not None:
-            return self._multi_turn(prompts, s)
-        outputs = self._generate(self.requests(prompts), s)
+            yield self._multi_turn(prompts, s)
+            return
         # vLLM refuses n > 1 with greedy sampling: ask for one and repeat it (the copies are equal).
         copies = s.n if s.greedy else 1
-        responses, log_probs = [], []
-        for output in outputs:  # in prompt order
-            for sample in sorted(output.outputs, key=lambda o: o.index):
-                responses += [list(sample.token_ids)] * copies
-                if s.logprobs:
-                    values = list(sample.logprobs.logprobs) if sample.logprobs is not None else []
-                    log_probs += [values] * copies
-        return assemble_rollout_batch(
-            prompts, responses, s.n, self.pad_token_id, self.eos_token_ids, log_probs if s.logprobs else None
-        )
+        samples: dict[int, list[tuple[list[int], list[float]]]] = {}  # prompt row -> (ids, log-probs) x n
+        for finished in self._steps(self.requests(prompts), s):
+            for row, output in finished:
+                samples[row] = [
+                    (list(o.token_ids), list(o.logprobs.logprobs) if o.logprobs is not None else [])
+                    for o in sorted(output.outputs, key=lambda o: o.index)
+                    for _ in range(copies)
+                ]
+            rows = [row for row, _ in finished]
+            yield FinishedGroups(rows, [ids for row in rows for ids, _ in samples[row]])
+        in_order = [sample for row in range(len(prompts)) for sample in samples[row]]
+        yield assemble_rollout_batch(
+            prompts, [ids for ids, _ in in_order], s.n, self.pad_token_id, self.eos_token_ids,
+            [values for _, values in in_order] if s.logprobs else None,
+        )  # fmt: skip
 
-    def _generate(self, requests: list[dict[str, Any]], s: SamplingSettings) -> list[Any]:
-        """Run one call, seeded the way the engine's model runner samples.
+    def _steps(self, requests: list[dict[str, Any]], s: SamplingSettings) -> Iterator[list[tuple[int, Any]]]:
+        """Run one call as `LLM.generate` does (queue every request, then step the engine until
+        none is left; vllm/entrypoints/common/offline.py, `_run_completion`), so sampling is the
+        same, but yield each step's finished requests as (request row, `RequestOutput`)."""
+        from tqdm import tqdm
+
+        params, torch_seed = self._call_params(len(requests), s)
+        engine = self.llm.llm_engine
+        progress = tqdm(total=len(requests), desc="Processed prompts", disable=not self.show_progress)
+        with seeded_rng(torch_seed), progress:
+            # `enqueue` returns "<id>-<suffix>"; outputs carry "<id>" (see VLLMTurns.submit)
+            request_ids = [
+                rid.rsplit("-", 1)[0] for rid in self.llm.enqueue(requests, params, use_tqdm=False)
+            ]
+            row_of = {rid: row for row, rid in enumerate(request_ids)}
+            try:
+                while engine.has_unfinished_requests():
+                    finished = [(row_of.pop(o.request_id), o) for o in engine.step() if o.finished]
+                    if finished:
+                        progress.update(len(finished))
+                        yield finished
+            finally:  # a consumer that stops early must not leave requests for the next call
+                if row_of:
+                    engine.abort_request(list(row_of))
+
+    def _call_params(self, n_requests: int, s: SamplingSettings) -> tuple[Any, int | None]:
+        """A call's `SamplingParams` and the seed for torch's generator, the way the engine's
+        model runner samples.
 
         V1 runner (CPU): from torch's default generator, reseeded for the call (`seeded_rng`); no
         per-request generators, which would cost a Python loop per request per step
@@ -334,14 +375,12 @@ class VLLMRolloutEngine(RolloutEngine):
         per-request seeds (`vllm_hooks.request_seeds`), which also keep TP peers in step.
         """
         if not self.use_v2:
-            with seeded_rng(self.call_seed(s)):
-                return self.llm.generate(requests, self.sampling_params(s), use_tqdm=self.show_progress)
+            return self.sampling_params(s), self.call_seed(s)
         seed = self.call_seed(s)
         if seed is None:
             seed = self._call_seeds.getrandbits(62)
         n = 1 if s.greedy else s.n
-        params = [self.sampling_params(s, r) for r in vllm_hooks.request_seeds(seed, len(requests), n)]
-        return self.llm.generate(requests, params, use_tqdm=self.show_progress)
+        return [self.sampling_params(s, r) for r in vllm_hooks.request_seeds(seed, n_requests, n)], None
 
     continuous_turns: bool = True
     """Multi-turn: drive the engine request by request (`run_continuous`); False: one `generate`

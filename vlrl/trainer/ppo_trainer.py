@@ -32,7 +32,9 @@ from vlrl.config import PPOConfig
 from vlrl.image_refs import ImageRefs
 from vlrl.models.sampling import truncation_warning
 from vlrl.protocol import KeptRows, PromptBatch, RolloutBatch
-from vlrl.rewards import build_reward_inputs, scores_to_token_level
+from vlrl.rewards import RewardInput, RewardResult, build_reward_inputs, scores_to_token_level
+from vlrl.rollout.base import eos_token_ids
+from vlrl.rollout.output import assemble_rollout_batch
 from vlrl.trainer.async_rollout import AsyncRollout, Prefetched
 from vlrl.trainer.checkpoint import CheckpointManager, check_shared_filesystem, read_state
 from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, split_prompts
@@ -46,6 +48,7 @@ from vlrl.trainer.metrics import (
     throughput_metrics,
 )
 from vlrl.trainer.ranks import Pending, RankRoles
+from vlrl.trainer.streaming import score_the_rest, stream_and_score
 from vlrl.workers.rank_worker import check_same_banned_tokens
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,8 @@ class PPOTrainer:
         self.image_refs = image_refs  # batches carry image references, not pixels (vlrl.image_refs)
         self.data = data
         self.tokenizer = data.tokenizer
+        # the engines' EOS set (same function, same files), to read streamed groups as they do
+        self.eos_token_ids = eos_token_ids(self.tokenizer, config.worker.actor.model.model_path)
         self.rewards = rewards
         algo = config.algorithm
         self.kl_ctrl = make_kl_controller(algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon)
@@ -266,6 +271,13 @@ class PPOTrainer:
     ) -> Pending:
         """Start generating `prompts` on the engines for `step` (default: this one) and return at
         once; `_merge` the result."""
+        shards, overrides = self._engine_inputs(prompts, overrides, round_, step)
+        return self.engines.submit("generate", shards, overrides=overrides)
+
+    def _engine_inputs(
+        self, prompts: PromptBatch, overrides: dict[str, Any] | None, round_: int, step: int | None = None
+    ) -> tuple[list[PromptBatch], dict[str, Any]]:
+        """Each engine's prompts, and the call's sampling overrides with the round's seed."""
         rollout = self.config.worker.rollout
         step = self.global_step if step is None else step
         seed = _step_seed(rollout.seed, step) + round_ * 1_000_003
@@ -274,7 +286,34 @@ class PPOTrainer:
             prompts = replace(prompts)  # the loader's batch keeps its objects
             self.image_refs.refer(prompts)
         shards = split_prompts(prompts, self.config.rollout_world_size, rollout.tensor_parallel_size)
-        return self.engines.submit("generate", shards, overrides=overrides)
+        return shards, overrides
+
+    def _generate_and_score(
+        self,
+        prompts: PromptBatch,
+        overrides: dict[str, Any] | None = None,
+        round_: int = 0,
+        timer: PhaseTimer | None = None,
+    ) -> tuple[RolloutBatch, dict[str, float]]:
+        """Generate and score `prompts`; with `worker.reward.streaming` the groups are scored while
+        the rest generate (`vlrl.trainer.streaming`), and `timing/reward` is only the wait after
+        generation ended. Returns the scored batch and the reward metrics."""
+        timer = timer or PhaseTimer()
+        if not self.config.worker.reward.streaming:
+            with timer("gen"):
+                batch = self._generate(prompts, overrides, round_)
+            with timer("reward"):
+                return batch, self._score(batch)
+        shards, overrides = self._engine_inputs(prompts, overrides, round_)
+        tp = self.config.worker.rollout.tensor_parallel_size
+        with self.rewards.stream() as scorer:
+            with timer("gen"):
+                calls = self.engines.stream("generate_stream", shards, overrides=overrides)
+                per_rank, added = stream_and_score(calls, shards, tp, scorer, self._group_inputs)
+                batch = self._merge(per_rank)
+            with timer("reward"):
+                score_the_rest(scorer, batch, added, lambda: self._reward_inputs(batch))
+                return batch, self._apply_scores(batch, scorer.finish(len(batch)))
 
     def _merge(self, per_rank: list[RolloutBatch]) -> RolloutBatch:
         return merge_rollouts(
@@ -296,15 +335,15 @@ class PPOTrainer:
         target = self.config.data.rollout_batch_size
         while True:
             tries += 1
-            with timer("gen"):
-                if tries == 1:
-                    prompts, batch, first_metrics = self._first_round()
-                    metrics.update(first_metrics)
-                else:
-                    prompts = self.data.next_train_batch()
-                    batch = self._generate(prompts, round_=tries - 1)
-            with timer("reward"):
-                reward_metrics = self._score(batch)
+            if tries == 1 and self.async_rollout is not None:
+                with timer("gen"):
+                    prompts, batch, async_metrics = self._take_prefetched(self.async_rollout)
+                    metrics.update(async_metrics)
+                with timer("reward"):
+                    reward_metrics = self._score(batch)
+            else:
+                prompts = self.data.next_train_batch()
+                batch, reward_metrics = self._generate_and_score(prompts, round_=tries - 1, timer=timer)
             if not kept:
                 metrics.update(reward_metrics)  # rewards before filtering: what the policy does
             keep = torch.ones(len(batch), dtype=torch.bool)
@@ -337,14 +376,10 @@ class PPOTrainer:
         baseline = torch.cat(baselines)[:size] if baselines else None
         return merged, baseline, metrics
 
-    def _first_round(self) -> tuple[PromptBatch, RolloutBatch, dict[str, float]]:
-        """The step's first generation round. Asynchronous mode: the one submitted during the last
+    def _take_prefetched(self, flow: AsyncRollout) -> tuple[PromptBatch, RolloutBatch, dict[str, float]]:
+        """Asynchronous mode, the step's first generation round: the one submitted during the last
         step (or generated now), after which the engines get the trainer's weights and the next
-        step's first round starts (vlrl.trainer.async_rollout)."""
-        flow = self.async_rollout
-        if flow is None:
-            prompts = self.data.next_train_batch()
-            return prompts, self._generate(prompts), {}
+        step's first round starts (vlrl.trainer.async_rollout). Not scored yet."""
         version = self.global_step - 1  # updates done: the trainer's weights
         ahead = flow.take(self.global_step)
         metrics = {}
@@ -376,6 +411,18 @@ class PPOTrainer:
 
     def _score(self, batch: RolloutBatch) -> dict[str, float]:
         """Decode, score in the reward workers, and put the score on each response's last token."""
+        return self._apply_scores(batch, self.rewards.score(self._reward_inputs(batch)))
+
+    def _group_inputs(self, prompts: PromptBatch, responses: list[list[int]]) -> list[RewardInput]:
+        """The reward inputs of streamed groups: their rows assembled as the engine assembles
+        the batch, then read as from the batch."""
+        rows = assemble_rollout_batch(prompts, responses, len(responses) // len(prompts),
+                                      self.data.pad_token_id, self.eos_token_ids)  # fmt: skip
+        return self._reward_inputs(rows)
+
+    def _reward_inputs(self, batch: RolloutBatch) -> list[RewardInput]:
+        """Each row's `RewardInput`: the decoded response (multi-turn: the final answer, with the
+        whole trajectory in the extras), its length, prompt, ground truth and extras."""
         lengths = batch.response_mask.sum(-1).tolist()
         skip = self.config.worker.reward.skip_special_tokens
         extras = batch.extras
@@ -385,8 +432,11 @@ class PPOTrainer:
         else:
             texts = [self.tokenizer.decode(row[:length], skip_special_tokens=skip)
                      for row, length in zip(batch.responses.tolist(), lengths)]  # fmt: skip
-        inputs = build_reward_inputs(texts, lengths, batch.prompts, batch.ground_truths, extras)
-        result = self.rewards.score(inputs)
+        return build_reward_inputs(texts, lengths, batch.prompts, batch.ground_truths, extras)
+
+    @staticmethod
+    def _apply_scores(batch: RolloutBatch, result: RewardResult) -> dict[str, float]:
+        """Put the scores on `batch` (the overall one on each response's last token); the metrics."""
         batch.reward_parts = result.scores
         overall = torch.tensor([s["overall"] for s in result.scores], dtype=torch.float32)
         batch.token_level_scores = scores_to_token_level(overall, batch.response_mask)
@@ -394,8 +444,7 @@ class PPOTrainer:
 
     def _remax_baselines(self, prompts: PromptBatch, batch: RolloutBatch, round_: int) -> torch.Tensor:
         """ReMax: each sample's baseline is the reward of a greedy response to its prompt. [N]"""
-        greedy = self._generate(prompts, {"n": 1, "temperature": 0.0}, round_)
-        self._score(greedy)
+        greedy, _ = self._generate_and_score(prompts, {"n": 1, "temperature": 0.0}, round_)
         by_uid = {
             uid: parts["overall"] for uid, parts in zip(greedy.group_ids.tolist(), greedy.scored_parts())
         }
@@ -413,8 +462,7 @@ class PPOTrainer:
         start = time.perf_counter()
         assert self.data.val_loader is not None  # the loop validates only when there is val data
         for prompts in self.data.val_loader:
-            batch = self._generate(prompts, overrides)
-            self._score(batch)
+            batch, _ = self._generate_and_score(prompts, overrides)
             parts.extend(batch.scored_parts())
             lengths.extend(batch.response_mask.sum(-1).tolist())
             trajectories.extend(batch.trajectories or [])

@@ -115,6 +115,18 @@ class RankGroup:
         """The same arguments on every rank."""
         return self.call(method, *([arg] * len(self.workers) for arg in args), **kwargs)
 
+    def stream(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Streaming:
+        """Start the generator `worker[r].method(per_rank[0][r], ...)` on every rank as a Ray
+        streaming generator: each yielded item can be taken as soon as it is yielded."""
+        check_one_per_rank(method, per_rank, len(self.workers))
+        generators = [
+            getattr(worker, method)
+            .options(num_returns="streaming")
+            .remote(*(args[rank] for args in per_rank), **kwargs)
+            for rank, worker in enumerate(self.workers)
+        ]
+        return Streaming(method, generators)
+
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):  # best effort: the processes are killed next anyway
             ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
@@ -132,12 +144,47 @@ class Pending:
     refs: list[Any]
 
     def result(self) -> list[Any]:
-        try:
-            return ray.get(self.refs)
-        except ray.exceptions.RayTaskError as exc:
-            raise WorkerError(f"rank worker failed in {self.method}: {root_cause(exc)}") from None
-        except ray.exceptions.ActorDiedError as exc:
-            raise WorkerError(f"a rank worker died during {self.method}: {exc}") from None
+        return _get(self.method, self.refs)
+
+
+class Streaming:
+    """Generator calls in flight on a group's ranks (`RankGroup.stream`)."""
+
+    def __init__(self, method: str, generators: list[Any]) -> None:
+        self.method = method
+        self.active = {id(g): (rank, g) for rank, g in enumerate(generators)}
+
+    @property
+    def done(self) -> bool:
+        return not self.active
+
+    def poll(self, timeout: float) -> list[tuple[int, Any]]:
+        """The items yielded within `timeout` s, at most one per rank (an ended generator is
+        ready at once: its `next` stops)."""
+        if not self.active:
+            return []
+        waiting = [g for _, g in self.active.values()]
+        ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout)
+        items = []
+        for generator in ready:
+            rank = self.active[id(generator)][0]
+            try:
+                ref = next(generator)
+            except StopIteration:
+                del self.active[id(generator)]
+                continue
+            items.append((rank, _get(self.method, ref)))
+        return items
+
+
+def _get(method: str, refs: Any) -> Any:
+    """`ray.get`, with a rank's failure shown by its root cause."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as exc:
+        raise WorkerError(f"rank worker failed in {method}: {root_cause(exc)}") from None
+    except ray.exceptions.ActorDiedError as exc:
+        raise WorkerError(f"a rank worker died during {method}: {exc}") from None
 
 
 def start_rank_groups(config: PPOConfig) -> RankRoles:

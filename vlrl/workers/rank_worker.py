@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from vlrl.config import PPOConfig
 from vlrl.experience import ExperienceStore
 from vlrl.image_refs import ImageRefs
-from vlrl.protocol import ROW_FIELDS, KeptRows, PromptBatch, RolloutBatch
+from vlrl.protocol import ROW_FIELDS, FinishedGroups, KeptRows, PromptBatch, RolloutBatch
 from vlrl.rollout.weight_broadcast import WeightBroadcast
 
 if TYPE_CHECKING:
@@ -108,7 +109,16 @@ class RankWorker:
 
     # ------------------------------------------------------------------------- step phases
     def generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch:
-        """Sample responses for this rank's prompts (its data-parallel shard).
+        """Sample responses for this rank's prompts (its data-parallel shard)."""
+        *_, batch = self.generate_stream(prompts, overrides)
+        assert isinstance(batch, RolloutBatch)
+        return batch
+
+    def generate_stream(
+        self, prompts: PromptBatch, overrides: dict[str, Any] | None = None
+    ) -> Iterator[FinishedGroups | RolloutBatch]:
+        """`generate`, reporting groups as they finish, then the batch (as a Ray streaming
+        generator the driver scores those groups while the rest are still generating).
 
         The actor's shards leave the GPU first (`worker.actor.offload`) and the allocator's cached
         blocks are released, so the engine can wake into that memory; they come back afterwards."""
@@ -119,14 +129,18 @@ class RankWorker:
             _release_cached_memory(self.device)
         try:
             self.rollout.wake_up()
-            batch = self.rollout.generate(prompts, overrides)
+            for item in self.rollout.generate_stream(prompts, overrides):
+                if isinstance(item, FinishedGroups):
+                    yield item
+                else:
+                    batch = item
             self.rollout.sleep()
         finally:
             if hybrid:
                 self.actor.load_to_device()
         if self.image_refs is not None:  # the driver gets references back (tool images are stored here)
             self.image_refs.refer(batch)
-        return batch
+        yield batch
 
     def release_images(self) -> None:
         """Drop this rank's hold on the step's images (the driver calls it after validation; an
