@@ -70,7 +70,9 @@ def measure(trainer, prompts) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=16)
