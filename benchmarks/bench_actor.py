@@ -33,6 +33,7 @@ from vlrl.models.rope import continue_position_ids, left_pad_position_ids, mrope
 from vlrl.protocol import RolloutBatch
 from vlrl.utils.flops import measured_cpu_peak, peak_flops, training_flops
 from vlrl.workers.actor import Actor
+from vlrl.workers.from_config import build_actor as actor_from_config
 
 
 def make_config(model_dir: str, padding_free: bool, micro: int, device: str) -> PPOConfig:
@@ -112,10 +113,9 @@ def make_batch(model_dir: str, samples: int, max_response: int, seed: int) -> Ro
 
 def build_actor(model_dir: str, args, padding_free: bool, backend: str) -> Actor:
     _, processor = load_processor(model_dir)
-    actor = Actor(
-        make_config(model_dir, padding_free, args.micro, args.device), model_dir, processor, args.device
-    )
-    actor.attention_backend = backend
+    config = make_config(model_dir, padding_free, args.micro, args.device)
+    actor = actor_from_config(config, processor, args.device, model_path=model_dir)
+    actor.model.attention_backend = backend
     return actor
 
 

@@ -35,6 +35,7 @@ from vlrl.models.processor import load_processor
 from vlrl.models.tiny import build_tiny_model
 from vlrl.protocol import RolloutBatch
 from vlrl.workers.actor import Actor, _UpdateStats
+from vlrl.workers.from_config import build_actor
 
 
 def make_config(model_dir: str, sp: int) -> PPOConfig:
@@ -107,9 +108,9 @@ class ExchangeTimer:
 
 def measure(actor: Actor, batch: RolloutBatch, timer: ExchangeTimer) -> tuple[int, float, float]:
     """(saved activation bytes, fwd+bwd seconds, exchange seconds) of one micro-batch."""
-    probe = SavedBytes(actor.module)
+    probe = SavedBytes(actor.model.module)
     timer.seconds = 0.0
-    actor.module.train()
+    actor.model.module.train()
     dist.barrier()
     start = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
@@ -122,10 +123,10 @@ def measure(actor: Actor, batch: RolloutBatch, timer: ExchangeTimer) -> tuple[in
 def exchange_alone(actor: Actor, length: int, timer: ExchangeTimer, repeats: int = 3) -> float:
     """Seconds of one micro-batch's all-to-alls by themselves (after a barrier, so no waiting on
     the other rank's compute): per layer q, k, v and the output, forward and backward."""
-    sp = actor.sp
+    sp = actor.model.sp
     if sp is None:
         return 0.0
-    text = getattr(actor.hf_config, "text_config", None) or actor.hf_config
+    text = getattr(actor.model.hf_config, "text_config", None) or actor.model.hf_config
     heads, dim = text.num_attention_heads, text.hidden_size // text.num_attention_heads
     kv = max(text.num_key_value_heads, sp.size)
     local = length // sp.size
@@ -150,7 +151,7 @@ def run_rank(rank: int, port: int, model_dir: str, lengths: list[int], repeats: 
     vocab = tokenizer.convert_tokens_to_ids("<|endoftext|>")  # the special tokens come after the text ones
     rows = []
     for sp in (1, 2):
-        actor = Actor(make_config(model_dir, sp), model_dir, processor, "cpu")
+        actor = build_actor(make_config(model_dir, sp), processor, "cpu", model_path=model_dir)
         measure(actor, long_sample(64, vocab), timer)  # warm-up: FSDP's lazy init, first-call costs
         for length in lengths:
             runs = [measure(actor, long_sample(length, vocab), timer) for _ in range(repeats)]

@@ -194,12 +194,13 @@ def test_lr_warmup_steps_count_trainer_steps() -> None:
 
 
 def test_dynamic_batching_budget_scales_with_micro_batch_size() -> None:
-    from vlrl.workers.reference import ShardedModel
+    from vlrl.workers.sharded_model import ShardedModel
 
-    fake = SimpleNamespace(max_token_len=None, _all_reduce=lambda values, op=None: values)
+    spec = SimpleNamespace(max_token_len_per_device=None)
+    fake = SimpleNamespace(spec=spec, all_reduce=lambda values, op=None: values)
     batch = SimpleNamespace(input_ids=torch.zeros(6, 300, dtype=torch.long))
     assert ShardedModel.token_budget(fake, batch, 4) == 1200  # EasyR1: micro-batch size x width
-    fake.max_token_len = 500
+    spec.max_token_len_per_device = 500
     assert ShardedModel.token_budget(fake, batch, 4) == 500
 
 

@@ -7,6 +7,7 @@ Each check stores plain numbers in `results`; rank files are read back by the te
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from vlrl.models.packing import build_padded_inputs, forward_log_probs
 from vlrl.models.processor import load_processor
 from vlrl.protocol import RolloutBatch
 from vlrl.workers.actor import Actor, gathered_grads
+from vlrl.workers.from_config import build_actor
 from vlrl.workers.optim import global_grad_norm
 from vlrl.workers.vision import VisionCache
 
@@ -53,7 +55,9 @@ def training_batch(model_dir: str) -> RolloutBatch:
     return batch
 
 
-def reference_gradients(model_dir: str, batch: RolloutBatch, config, mode: str) -> dict[str, torch.Tensor]:
+def reference_gradients(
+    model_dir: str, batch: RolloutBatch, actor: Actor, mode: str
+) -> dict[str, torch.Tensor]:
     """Plain single-process, padded, full-batch gradient of the same loss (no FSDP, no micro-batches)."""
     model = load_model(model_dir, padding_free=False)
     _, processor = load_processor(model_dir)
@@ -69,14 +73,14 @@ def reference_gradients(model_dir: str, batch: RolloutBatch, config, mode: str) 
     out = forward_log_probs(model, inputs, sampling_for(model_dir, TEMPERATURE))
     tokens, seqs = count_tokens_and_seqs(batch.response_mask)
     agg = {"loss_avg_mode": mode, "num_tokens": tokens, "num_seqs": seqs}
-    actor = config.worker.actor
+    cfg = actor.cfg
     loss, _ = compute_policy_loss(
-        actor.policy_loss, batch.old_log_probs, out.log_probs, batch.advantages, batch.response_mask,
-        clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-        clip_ratio_dual=actor.clip_ratio_dual, **agg,
+        cfg.policy_loss, batch.old_log_probs, out.log_probs, batch.advantages, batch.response_mask,
+        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+        clip_ratio_dual=cfg.clip_ratio_dual, **agg,
     )  # fmt: skip
     kl = compute_kl_loss(out.log_probs, batch.ref_log_probs, batch.response_mask, "low_var_kl", **agg)
-    (loss + config.algorithm.kl_coef * kl).backward()
+    (loss + actor.algorithm.kl_coef * kl).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -85,24 +89,25 @@ def check_gradients(actor: Actor, batch: RolloutBatch, model_dir: str, rank: int
     mine = batch.select(SPLIT[rank])
     for mode in (*MODES, "token-dynamic"):
         actor.cfg.loss_avg_mode = mode.split("-dynamic")[0]
-        actor.dynamic_batching = mode.endswith("dynamic")
-        actor.module.train()
+        actor.model.spec = replace(actor.model.spec, dynamic_batching=mode.endswith("dynamic"))
+        actor.model.module.train()
         actor.forward_backward(mine, actor_module._UpdateStats(), image_anchor=True)
-        grads = gathered_grads(actor.module)
+        grads = gathered_grads(actor.model.module)
         norm = global_grad_norm(actor.params)
         # torch's own clip_grad_norm_ on DTensor grads (what the brief asked to check); inf: no clipping
         torch_norm = torch.nn.utils.clip_grad_norm_(actor.params, float("inf"))
         torch_norm = float(torch_norm.full_tensor() if isinstance(torch_norm, DTensor) else torch_norm)
         actor.optimizer.zero_grad(set_to_none=True)
         if rank == 0:
-            ref = reference_gradients(model_dir, batch, actor.config, actor.cfg.loss_avg_mode)
+            ref = reference_gradients(model_dir, batch, actor, actor.cfg.loss_avg_mode)
             scale = max(float(g.abs().max()) for g in ref.values())
             results[f"grad_err/{mode}"] = max_diff(grads, ref, ref.keys()) / scale
             results[f"grad_keys_match/{mode}"] = set(grads) == set(ref)
             ref_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in ref.values()])))
             results[f"grad_norm_err/{mode}"] = abs(norm - ref_norm) / ref_norm
             results[f"torch_clip_norm_err/{mode}"] = abs(torch_norm - ref_norm) / ref_norm
-    actor.cfg.loss_avg_mode, actor.dynamic_batching = "token", False
+    actor.cfg.loss_avg_mode = "token"
+    actor.model.spec = replace(actor.model.spec, dynamic_batching=False)
 
 
 def check_mixed_ranks(actor: Actor, model_dir: str, rank: int, results: dict) -> None:
@@ -140,25 +145,25 @@ def check_loss_decreases(actor: Actor, batch: RolloutBatch, rank: int, results: 
 def check_checkpoint(actor: Actor, batch: RolloutBatch, rank: int, path: str, results: dict) -> None:
     """save -> step (P1) -> load -> same weights/optimizer as saved -> step -> P1 again (exact resume)."""
     mine = batch.select(SPLIT[rank])
-    saved = full_params(actor.module)
+    saved = full_params(actor.model.module)
     saved_optim = {k: v._local_tensor.clone() for k, v in _optim_tensors(actor).items()}
     actor.save_checkpoint(path)
     actor.update_policy(mine)
-    p1 = full_params(actor.module)
+    p1 = full_params(actor.model.module)
     lr1 = actor.optimizer.param_groups[0]["lr"]
     actor.load_checkpoint(path)
-    results["ckpt_weights_err"] = max_diff(full_params(actor.module), saved)
+    results["ckpt_weights_err"] = max_diff(full_params(actor.model.module), saved)
     results["ckpt_optim_err"] = max(
         float((v._local_tensor - saved_optim[k]).abs().max()) for k, v in _optim_tensors(actor).items()
     )
     results["ckpt_moved"] = max_diff(p1, saved)
     actor.update_policy(mine)
-    results["ckpt_resume_err"] = max_diff(full_params(actor.module), p1)
+    results["ckpt_resume_err"] = max_diff(full_params(actor.model.module), p1)
     results["ckpt_lr"] = (lr1, actor.optimizer.param_groups[0]["lr"])
 
 
 def _optim_tensors(actor: Actor) -> dict[str, Any]:
-    names = {id(p): n for n, p in actor.module.named_parameters()}
+    names = {id(p): n for n, p in actor.model.module.named_parameters()}
     return {
         f"{names[id(p)]}/{k}": v
         for p, s in actor.optimizer.state.items()
@@ -170,7 +175,7 @@ def _optim_tensors(actor: Actor) -> dict[str, Any]:
 def check_non_finite(actor: Actor, batch: RolloutBatch, rank: int, results: dict) -> None:
     """An inf loss on rank 0 only: both ranks skip the step, weights stay, the skip is counted."""
     mine = batch.select(SPLIT[rank])
-    before = full_params(actor.module)
+    before = full_params(actor.model.module)
     original = actor_module.compute_policy_loss
 
     def poisoned(*args, **kwargs):
@@ -184,18 +189,18 @@ def check_non_finite(actor: Actor, batch: RolloutBatch, rank: int, results: dict
     finally:
         actor_module.compute_policy_loss = original
     results["nonfinite_skipped"] = metrics["actor/skipped_steps"]
-    results["nonfinite_weights_err"] = max_diff(full_params(actor.module), before)
+    results["nonfinite_weights_err"] = max_diff(full_params(actor.model.module), before)
     results["nonfinite_total"] = actor.skipped_steps
     results["after_skip_update"] = actor.update_policy(mine)["actor/skipped_steps"]
 
 
 def check_frozen_vision(model_dir: str, processor, batch: RolloutBatch, rank: int, results: dict) -> None:
     config = make_config(model_dir, 2, worker__actor__model__freeze_vision_tower=True)
-    actor = Actor(config, model_dir, processor, "cpu")
+    actor = build_actor(config, processor, "cpu", model_path=model_dir)
     mine = batch.select(SPLIT[rank])
-    before = full_params(actor.module)
+    before = full_params(actor.model.module)
     actor.update_policy(mine)
-    after = full_params(actor.module)
+    after = full_params(actor.model.module)
     vision = [k for k in before if ".visual." in f".{k}"]
     text = [k for k in before if k not in vision]
     results["frozen_vision_err"] = max_diff(after, before, vision)
@@ -211,7 +216,7 @@ def kl_loss_actor(model_dir: str, world: int) -> Actor:
         worker__actor__micro_batch_size_per_device_for_experience=2,
     )  # fmt: skip
     _, processor = load_processor(model_dir)
-    return Actor(config, model_dir, processor, "cpu")
+    return build_actor(config, processor, "cpu", model_path=model_dir)
 
 
 def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
@@ -221,7 +226,7 @@ def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
         actor = kl_loss_actor(model_dir, world)
         disk = load_model(model_dir, padding_free=False).state_dict()
         results["broadcast_err"] = max_diff(
-            full_params(actor.module), disk, [n for n, _ in actor.module.named_parameters()]
+            full_params(actor.model.module), disk, [n for n, _ in actor.model.module.named_parameters()]
         )
         batch = training_batch(model_dir)
         check_gradients(actor, batch, model_dir, rank, results)

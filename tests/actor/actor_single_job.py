@@ -18,9 +18,9 @@ from vlrl.models.loading import load_model
 from vlrl.models.packing import build_padded_inputs, forward_log_probs
 from vlrl.models.processor import load_processor
 from vlrl.protocol import RolloutBatch
-from vlrl.workers.actor import Actor, _UpdateStats, gathered_grads
+from vlrl.workers.actor import _UpdateStats, gathered_grads
+from vlrl.workers.from_config import build_actor, build_reference
 from vlrl.workers.optim import lr_factor
-from vlrl.workers.reference import Reference
 from vlrl.workers.vision import VisionCache
 
 SPECS = [(True, 6), (False, 9), (True, 3), (False, 5)]
@@ -68,9 +68,9 @@ def check_vlm(model_dir: str, out_dir: str, results: dict[str, Any]) -> None:
         ),
     }
     for name, config in variants.items():
-        actor = Actor(config, model_dir, processor, "cpu")
+        actor = build_actor(config, processor, "cpu", model_path=model_dir)
         results[f"logp_err/{name}"] = err(actor.compute_log_probs(batch, 1.0), expected, batch)
-    reference = Reference(variants["packed"], model_dir, processor, "cpu")
+    reference = build_reference(variants["packed"], processor, "cpu", model_path=model_dir)
     results["ref_err"] = err(reference.compute_log_probs(batch, 1.0), expected, batch)
     # Update, export, reload with plain transformers: same log-probs as the actor now has.
     train_fields(batch, expected)
@@ -94,18 +94,18 @@ def check_gradient_checkpointing(model_dir: str, results: dict[str, Any]) -> Non
     batch = train_fields(make_batch(model_dir, SPECS, seed=6), torch.full((4, 9), -6.5))
     grads = []
     for flag in (False, True):
-        actor = Actor(
+        actor = build_actor(
             make_config(model_dir, worker__actor__model__enable_gradient_checkpointing=flag),
-            model_dir,
             processor,
             "cpu",
+            model_path=model_dir,
         )
-        actor.module.train()
+        actor.model.module.train()
         results[f"ckpting_layers/{flag}"] = sum(
-            bool(getattr(m, "gradient_checkpointing", False)) for m in actor.module.modules()
+            bool(getattr(m, "gradient_checkpointing", False)) for m in actor.model.module.modules()
         )
         actor.forward_backward(batch, _UpdateStats(), image_anchor=True)
-        grads.append(gathered_grads(actor.module))
+        grads.append(gathered_grads(actor.model.module))
     results["ckpting_grad_err"] = max(float((grads[0][k] - grads[1][k]).abs().max()) for k in grads[0])
 
 
@@ -117,7 +117,7 @@ def check_schedule(model_dir: str, results: dict[str, Any]) -> None:
         worker__actor__optim__lr_scheduler_type="cosine", worker__actor__optim__min_lr_ratio=0.1,
         worker__actor__entropy_coeff=0.01,
     )  # fmt: skip
-    actor = Actor(config, model_dir, processor, "cpu", total_steps=5)
+    actor = build_actor(config, processor, "cpu", model_path=model_dir, total_steps=5)
     batch = train_fields(make_batch(model_dir, SPECS, seed=7), torch.full((4, 9), -6.5))
     results["lrs"] = [actor.update_policy(batch)["actor/lr"] for _ in range(5)]
     results["lrs_expected"] = [
@@ -133,21 +133,21 @@ def check_on_policy(model_dir: str, results: dict[str, Any]) -> None:
     results["on_policy/config"] = config.on_policy_update
     after, filled = [], None
     for given in (True, False):
-        actor = Actor(config, model_dir, processor, "cpu")
+        actor = build_actor(config, processor, "cpu", model_path=model_dir)
         batch = make_batch(model_dir, SPECS, seed=12)
         old = actor.compute_log_probs(batch, 1.0)
         train_fields(batch, old if given else None)
-        actor.update_policy(batch)
+        actor.update_policy(batch, on_policy=config.on_policy_update)
         after.append(actor.compute_log_probs(batch, 1.0))
         filled = err(batch.old_log_probs, old, batch)
     results["on_policy/filled_err"] = filled
     results["on_policy/moved"] = err(after[0], old, batch)
     results["on_policy/after_err"] = err(after[0], after[1], batch)
     two_steps = make_config(model_dir, algorithm__disable_kl=True, worker__actor__global_batch_size=4)
-    actor = Actor(two_steps, model_dir, processor, "cpu")
+    actor = build_actor(two_steps, processor, "cpu", model_path=model_dir)
     batch = train_fields(make_batch(model_dir, SPECS, seed=12), None)
     try:
-        actor.update_policy(batch)
+        actor.update_policy(batch, on_policy=two_steps.on_policy_update)
         results["on_policy/two_steps_error"] = ""
     except ValueError as exc:
         results["on_policy/two_steps_error"] = str(exc)
@@ -161,7 +161,7 @@ def check_no_advantage_guard(model_dir: str, results: dict[str, Any]) -> None:
         config = make_config(
             model_dir, worker__actor__entropy_coeff=0.01, worker__actor__skip_steps_without_advantage=guard
         )
-        actor = Actor(config, model_dir, processor, "cpu")
+        actor = build_actor(config, processor, "cpu", model_path=model_dir)
         batch = make_batch(model_dir, SPECS, seed=13)
         train_fields(batch, actor.compute_log_probs(batch, 1.0))
         batch.advantages = torch.zeros_like(batch.advantages)
@@ -181,7 +181,7 @@ def check_other_arch(model_dir: str, arch: str, out_dir: str, results: dict[str,
     tokenizer, processor = load_processor(model_dir)
     batch = make_batch(model_dir, SPECS, seed=8)
     expected = plain_log_probs(model_dir, batch)
-    actor = Actor(make_config(model_dir), model_dir, processor, "cpu")
+    actor = build_actor(make_config(model_dir), processor, "cpu", model_path=model_dir)
     results[f"{arch}/logp_err"] = err(actor.compute_log_probs(batch, 1.0), expected, batch)
     train_fields(batch, expected)
     results[f"{arch}/losses"] = [actor.update_policy(batch)["actor/pg_loss"] for _ in range(3)]
@@ -211,8 +211,8 @@ def check_tied_embeddings(model_dir: str, out_dir: str, results: dict[str, Any])
     weights.pop("lm_head.weight")
     save_file(weights, os.path.join(tied, "model.safetensors"), metadata={"format": "pt"})
     _, processor = load_processor(tied)
-    actor = Actor(make_config(tied), tied, processor, "cpu")
-    module = actor.module
+    actor = build_actor(make_config(tied), processor, "cpu", model_path=tied)
+    module = actor.model.module
     results["tied/in_actor"] = module.lm_head.weight is module.model.language_model.embed_tokens.weight
     batch = make_batch(tied, SPECS, seed=9)
     train_fields(batch, actor.compute_log_probs(batch, 1.0))

@@ -19,14 +19,14 @@ from torch.distributed.tensor import DTensor
 
 from vlrl.models.processor import load_processor
 from vlrl.workers.actor import Actor
-from vlrl.workers.reference import Reference
+from vlrl.workers.from_config import build_actor, build_reference
 
 SPECS = [(False, 6), (False, 9), (False, 3), (False, 5)]
 
 
 def optimizer_tensors(actor: Actor) -> dict[str, torch.Tensor]:
     """Every optimizer state tensor (moments and step), local shard, by 'param name/key'."""
-    names = {id(p): n for n, p in actor.module.named_parameters()}
+    names = {id(p): n for n, p in actor.model.module.named_parameters()}
     out = {}
     for param, state in actor.optimizer.state.items():
         for key, value in state.items():
@@ -37,14 +37,14 @@ def optimizer_tensors(actor: Actor) -> dict[str, torch.Tensor]:
 
 
 def full_params(actor: Actor) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().clone() for n, p in actor.module.named_parameters()}
+    return {n: p.full_tensor().detach().clone() for n, p in actor.model.module.named_parameters()}
 
 
 def check_resume(model_dir: str, out_dir: str, results: dict[str, Any]) -> None:
     """bf16-moment AdamW on fp32 weights: save -> step (P1) -> load -> same states -> step -> P1."""
     _, processor = load_processor(model_dir)
     config = make_config(model_dir, worker__actor__optim__strategy="adamw_bf16")
-    actor = Actor(config, model_dir, processor, "cpu")
+    actor = build_actor(config, processor, "cpu", model_path=model_dir)
     batch = with_training_fields(make_batch(model_dir, SPECS, seed=3), seed=1)
     actor.update_policy(batch)
     saved = optimizer_tensors(actor)
@@ -77,24 +77,24 @@ def check_reference_reshards(model_dir: str, results: dict[str, Any]) -> None:
     """enable_full_shard=false: no unit frees its weights after forward; the reference must still."""
     _, processor = load_processor(model_dir)
     config = make_config(model_dir, worker__actor__fsdp__enable_full_shard=False)
-    reference = Reference(config, model_dir, processor, "cpu")
+    reference = build_reference(config, processor, "cpu", model_path=model_dir)
     batch = make_batch(model_dir, SPECS, seed=4)
-    results["ref/before"] = all(sharded(reference.module).values())
+    results["ref/before"] = all(sharded(reference.model.module).values())
     results["ref/log_probs_finite"] = bool(torch.isfinite(reference.compute_log_probs(batch, 1.0)).all())
-    results["ref/after"] = sharded(reference.module)
+    results["ref/after"] = sharded(reference.model.module)
 
 
 def check_root_stays_gathered_for_backward(model_dir: str, results: dict[str, Any]) -> None:
     """Default (full shard): after a training forward the layers are freed, the root is not."""
     _, processor = load_processor(model_dir)
-    actor = Actor(make_config(model_dir), model_dir, processor, "cpu")
+    actor = build_actor(make_config(model_dir), processor, "cpu", model_path=model_dir)
     ids = torch.arange(1, 9)[None]
-    loss = actor.module(input_ids=ids, position_ids=torch.arange(8)[None]).logits.float().mean()
-    state = sharded(actor.module)
+    loss = actor.model.module(input_ids=ids, position_ids=torch.arange(8)[None]).logits.float().mean()
+    state = sharded(actor.model.module)
     results["root/after_forward"] = {n: state[n] for n in state if ".layers." not in n}
     results["root/layers_after_forward"] = {n: state[n] for n in state if ".layers." in n}
     loss.backward()
-    results["root/after_backward"] = all(sharded(actor.module).values())
+    results["root/after_backward"] = all(sharded(actor.model.module).values())
 
 
 def run(rank: int, world: int, port: int, models: dict[str, str], out_dir: str) -> None:

@@ -15,10 +15,12 @@ from actor_helpers import init_gloo, make_batch, make_config
 from actor_multirank_job import max_diff
 from actor_single_job import err, plain_log_probs, train_fields
 
+from vlrl.config import RefConfig
 from vlrl.models.loading import load_model
 from vlrl.models.processor import load_processor
 from vlrl.rollout.weight_sync import full_named_tensors, runtime_name
 from vlrl.workers.actor import Actor, _UpdateStats, gathered_grads
+from vlrl.workers.from_config import build_actor
 from vlrl.workers.fsdp import reshard
 from vlrl.workers.reference import AdapterOffReference
 
@@ -39,13 +41,13 @@ def lora_config(model_dir: str, world: int, **overrides: Any):
 
 def build(model_dir: str, processor, world: int, **overrides: Any) -> Actor:
     torch.manual_seed(0)  # rank 0 draws lora_A; the other rank receives it
-    return Actor(lora_config(model_dir, world, **overrides), model_dir, processor, "cpu")
+    return build_actor(lora_config(model_dir, world, **overrides), processor, "cpu", model_path=model_dir)
 
 
 def check_wrapping(actor: Actor, results: dict) -> None:
-    names = [n for n, p in actor.module.named_parameters() if p.requires_grad]
+    names = [n for n, p in actor.model.module.named_parameters() if p.requires_grad]
     results["trainable"] = names
-    results["all_names"] = [n for n, _ in actor.module.named_parameters()]
+    results["all_names"] = [n for n, _ in actor.model.module.named_parameters()]
     optimized = {id(p) for group in actor.optimizer.param_groups for p in group["params"]}
     results["optimizer_params_are_trainable"] = optimized == {id(p) for p in actor.params} and len(
         optimized
@@ -54,27 +56,27 @@ def check_wrapping(actor: Actor, results: dict) -> None:
 
 def check_update(actor: Actor, batch, expected: torch.Tensor, rank: int, results: dict) -> None:
     """Training moves only the adapters; the base weights and the vision tower stay bit-identical."""
-    before = full_params(actor.module)
+    before = full_params(actor.model.module)
     mine = batch.select(SPLIT[rank])
     losses = [actor.update_policy(mine)["actor/pg_loss"] for _ in range(4)]
-    after = full_params(actor.module)
+    after = full_params(actor.model.module)
     base = [k for k in before if "lora_" not in k]
     results["losses"] = losses
     results["base_err"] = max_diff(after, before, base)
     results["lora_B_moved"] = max_diff(after, before, [k for k in before if "lora_B" in k])
     state_params = {id(p) for p in actor.optimizer.state}
-    names = {id(p): n for n, p in actor.module.named_parameters()}
+    names = {id(p): n for n, p in actor.model.module.named_parameters()}
     results["optimizer_state_names"] = sorted(names[i] for i in state_params)
     now = actor.compute_log_probs(batch, 1.0)
     results["policy_moved"] = err(now, expected, batch)
-    reference = AdapterOffReference(actor, micro_batch_size=3)
+    reference = AdapterOffReference(actor.model, RefConfig(micro_batch_size_per_device_for_experience=3))
     results["ref_err"] = err(reference.compute_log_probs(batch, 1.0), expected, batch)
     results["after_ref_err"] = err(actor.compute_log_probs(batch, 1.0), now, batch)  # adapters back on
 
 
 def check_merged(actor: Actor, model_dir: str, batch, rank: int, results: dict) -> None:
     """The merged weights the engines get, loaded into a plain model, give the actor's log-probs."""
-    merged = dict(full_named_tensors(actor.module))  # collective
+    merged = dict(full_named_tensors(actor.model.module))  # collective
     actor_logp = actor.compute_log_probs(batch, 1.0)
     if rank == 0:
         plain = load_model(model_dir, padding_free=False)
@@ -88,15 +90,15 @@ def check_merged(actor: Actor, model_dir: str, batch, rank: int, results: dict) 
 def check_checkpoint(actor: Actor, batch, rank: int, path: str, results: dict) -> None:
     """save -> step (P1) -> load -> same as saved -> step -> P1 again; only adapters on disk."""
     mine = batch.select(SPLIT[rank])
-    saved = full_params(actor.module)
+    saved = full_params(actor.model.module)
     actor.save_checkpoint(path)
     actor.update_policy(mine)
-    p1 = full_params(actor.module)
+    p1 = full_params(actor.model.module)
     actor.load_checkpoint(path)
-    results["ckpt_weights_err"] = max_diff(full_params(actor.module), saved)
+    results["ckpt_weights_err"] = max_diff(full_params(actor.model.module), saved)
     results["ckpt_moved"] = max_diff(p1, saved)
     actor.update_policy(mine)
-    results["ckpt_resume_err"] = max_diff(full_params(actor.module), p1)
+    results["ckpt_resume_err"] = max_diff(full_params(actor.model.module), p1)
     if rank == 0:
         from vlrl.workers.checkpoint_io import SafeFileSystemReader
 
@@ -111,14 +113,14 @@ def check_gradient_checkpointing(model_dir: str, processor, batch, rank: int, re
     for flag in (False, True):
         actor = build(model_dir, processor, 2, worker__actor__model__enable_gradient_checkpointing=flag)
         with torch.no_grad():  # non-zero B, so A gets a gradient too
-            for name, p in actor.module.named_parameters():
+            for name, p in actor.model.module.named_parameters():
                 if "lora_B" in name:
                     p.add_(0.01)
-        actor.module.train()
+        actor.model.module.train()
         actor.forward_backward(mine, _UpdateStats(), image_anchor=True)
-        grads[flag] = gathered_grads(actor.module)
+        grads[flag] = gathered_grads(actor.model.module)
         results[f"ckpting_layers/{flag}"] = sum(
-            bool(getattr(m, "gradient_checkpointing", False)) for m in actor.module.modules()
+            bool(getattr(m, "gradient_checkpointing", False)) for m in actor.model.module.modules()
         )
     results["ckpting_grad_keys"] = sorted(grads[True]) == sorted(grads[False])
     results["ckpting_grad_names"] = sorted(grads[True])
@@ -132,8 +134,8 @@ def save_for_merger(actor: Actor, path: str, rank: int) -> None:
     """What the rank worker writes beside a checkpoint (for vlrl.tools.model_merger)."""
     actor.save_checkpoint(path)
     if rank == 0:
-        actor.hf_config.save_pretrained(os.path.join(path, "hf_config"))
-        actor.tokenizer_or_processor().save_pretrained(os.path.join(path, "hf_config"))
+        actor.model.hf_config.save_pretrained(os.path.join(path, "hf_config"))
+        actor.model.tokenizer_or_processor().save_pretrained(os.path.join(path, "hf_config"))
         actor.save_adapter_config(os.path.join(path, "hf_config"))
     dist.barrier()
 

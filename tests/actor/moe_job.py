@@ -45,13 +45,13 @@ def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     results: dict[str, Any] = {}
     try:
         actor = kl_loss_actor(model_dir, world)
-        results["shards"] = expert_shards(actor.module)
-        results["moe_units"] = moe_units(actor.module)
+        results["shards"] = expert_shards(actor.model.module)
+        results["moe_units"] = moe_units(actor.model.module)
         batch = training_batch(model_dir)
         check_gradients(actor, batch, model_dir, rank, results)
-        before = full_params(actor.module)
+        before = full_params(actor.model.module)
         check_loss_decreases(actor, batch, rank, results)
-        after = full_params(actor.module)
+        after = full_params(actor.model.module)
         experts = [n for n in before if n.endswith(EXPERTS)]
         routers = [n for n in before if n.endswith(".mlp.gate.weight")]
         results["experts_moved"] = min(max_diff(after, before, [n]) for n in experts)

@@ -9,6 +9,7 @@ log-probs must agree. Rank 0 stores the differences (plain numbers) for the test
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ from vlrl.models.packing import build_packed_inputs
 from vlrl.models.processor import load_processor
 from vlrl.models.ulysses import build_sequence_parallel, token_bounds
 from vlrl.protocol import RolloutBatch
-from vlrl.workers.actor import Actor, gathered_grads
+from vlrl.workers.actor import gathered_grads
+from vlrl.workers.from_config import build_actor
 from vlrl.workers.reference import Reference
 from vlrl.workers.vision import VisionCache
 
@@ -71,23 +73,29 @@ def ulysses_config(model_dir: str, sp: int, checkpointing: bool = False):
 def run_actor(model_dir: str, processor, batch: RolloutBatch, sp: int, rank: int) -> dict[str, Any]:
     """Log-probs, gradients per variant, one update's metrics and weights for ulysses_size=sp."""
     config = ulysses_config(model_dir, sp)
-    actor = Actor(config, model_dir, processor, "cpu")
+    actor = build_actor(config, processor, "cpu", model_path=model_dir)
     rows = SPLIT[rank] if sp == 1 else list(range(len(batch)))
     mine = batch.select(rows)
     out: dict[str, Any] = {
         "log_probs": gather_rows(rows, actor.compute_log_probs(mine, TEMPERATURE), len(batch))
     }
     for mode, loss, dynamic in VARIANTS:
-        actor.cfg.loss_avg_mode, actor.cfg.policy_loss, actor.dynamic_batching = mode, loss, dynamic
-        actor.module.train()
+        actor.cfg.loss_avg_mode, actor.cfg.policy_loss = mode, loss
+        actor.model.spec = replace(actor.model.spec, dynamic_batching=dynamic)
+        actor.model.module.train()
         actor.forward_backward(mine, actor_module._UpdateStats(), image_anchor=True)
-        out[f"grads/{mode}/{loss}/{dynamic}"] = gathered_grads(actor.module)
+        out[f"grads/{mode}/{loss}/{dynamic}"] = gathered_grads(actor.model.module)
         actor.optimizer.zero_grad(set_to_none=True)
-    actor.cfg.loss_avg_mode, actor.cfg.policy_loss, actor.dynamic_batching = "token", "ppo", False
+    actor.cfg.loss_avg_mode, actor.cfg.policy_loss = "token", "ppo"
+    actor.model.spec = replace(actor.model.spec, dynamic_batching=False)
     out["metrics"] = actor.update_policy(mine)
-    out["weights"] = full_params(actor.module)
+    out["weights"] = full_params(actor.model.module)
     reference = Reference(
-        config, model_dir, processor, "cpu", vision_cache=VisionCache(processor.image_processor)
+        config.worker.ref,
+        actor.model.spec,
+        processor,
+        "cpu",
+        vision_cache=VisionCache(processor.image_processor),
     )
     out["ref_log_probs"] = gather_rows(rows, reference.compute_log_probs(mine, TEMPERATURE), len(batch))
     return out
@@ -114,18 +122,20 @@ def run_checkpointed(model_dir: str, processor, batch: RolloutBatch) -> dict[str
     """ulysses_size=2 with gradient checkpointing (the backward re-runs the forward's all-to-alls):
     the token-mean gradient, and an empty micro-batch (only the anchor, one token and one pad token
     over two ranks) with and without the dummy image, which must run and add a zero gradient."""
-    actor = Actor(ulysses_config(model_dir, 2, checkpointing=True), model_dir, processor, "cpu")
-    actor.module.train()
+    actor = build_actor(
+        ulysses_config(model_dir, 2, checkpointing=True), processor, "cpu", model_path=model_dir
+    )
+    actor.model.module.train()
     actor.forward_backward(batch, actor_module._UpdateStats(), image_anchor=True)
-    out: dict[str, Any] = {"grads": gathered_grads(actor.module)}
+    out: dict[str, Any] = {"grads": gathered_grads(actor.model.module)}
     actor.optimizer.zero_grad(set_to_none=True)
     empty = batch.select([])
     for image_anchor in (False, True):
-        result = actor.forward_micro_batch(empty, TEMPERATURE, image_anchor, with_entropy=True)
+        result = actor.model.forward_micro_batch(empty, TEMPERATURE, image_anchor, with_entropy=True)
         (result.log_probs.sum() + result.anchor).backward()
-    out["empty_grad_max"] = max(float(g.abs().max()) for g in gathered_grads(actor.module).values())
-    out["empty_grad_count"] = len(gathered_grads(actor.module))
-    out["num_params"] = len(list(actor.module.parameters()))
+    out["empty_grad_max"] = max(float(g.abs().max()) for g in gathered_grads(actor.model.module).values())
+    out["empty_grad_count"] = len(gathered_grads(actor.model.module))
+    out["num_params"] = len(list(actor.model.module.parameters()))
     return out
 
 

@@ -18,6 +18,7 @@ from actor_helpers import make_batch, make_config, with_training_fields  # noqa:
 
 from vlrl.models.processor import load_processor  # noqa: E402
 from vlrl.workers.actor import Actor  # noqa: E402
+from vlrl.workers.from_config import build_actor  # noqa: E402
 from vlrl.workers.rank_worker import process_group_backend  # noqa: E402
 
 SPECS = [(True, 6), (False, 9), (True, 3), (False, 5)]
@@ -39,14 +40,14 @@ def check_fsdp_cpu_offload(model_dir: str, results: dict[str, Any]) -> None:
         model_dir, trainer__device="cuda", worker__actor__fsdp__enable_cpu_offload=True,
         worker__actor__offload__offload_params=True, worker__actor__offload__offload_optimizer=True,
     )  # fmt: skip
-    actor = Actor(config, model_dir, processor, "cuda")
+    actor = build_actor(config, processor, "cuda", model_path=model_dir)
     batch = with_training_fields(make_batch(model_dir, SPECS, seed=1), seed=2)
-    before = {n: p.full_tensor().clone() for n, p in actor.module.named_parameters()}
+    before = {n: p.full_tensor().clone() for n, p in actor.model.module.named_parameters()}
     metrics = actor.update_policy(batch)
-    after = {n: p.full_tensor() for n, p in actor.module.named_parameters()}
+    after = {n: p.full_tensor() for n, p in actor.model.module.named_parameters()}
     results["cpu_offload/grad_norm"] = metrics["actor/grad_norm"]
     results["cpu_offload/moved"] = max(float((after[n] - before[n]).abs().max()) for n in before)
-    results["cpu_offload/param_devices"] = _devices(actor.module.parameters())
+    results["cpu_offload/param_devices"] = _devices(actor.model.module.parameters())
     results["cpu_offload/optim_devices"] = _devices(_optimizer_tensors(actor))
     results["cpu_offload/manual"] = (actor.offload_params, actor.offload_optimizer)
 
@@ -58,17 +59,17 @@ def check_offload_and_resume(model_dir: str, out_dir: str, results: dict[str, An
         model_dir, trainer__device="cuda", worker__actor__optim__strategy="adamw_bf16",
         worker__actor__offload__offload_params=True, worker__actor__offload__offload_optimizer=True,
     )  # fmt: skip
-    actor = Actor(config, model_dir, processor, "cuda")
+    actor = build_actor(config, processor, "cuda", model_path=model_dir)
     batch = with_training_fields(make_batch(model_dir, SPECS, seed=1), seed=2)
     actor.update_policy(batch)
     results["offload/optim_after_update"] = _devices(_optimizer_tensors(actor))
     torch.cuda.synchronize()
     on_gpu = torch.cuda.memory_allocated()
     actor.offload_to_cpu()
-    results["offload/params_offloaded"] = _devices(actor.module.parameters())
+    results["offload/params_offloaded"] = _devices(actor.model.module.parameters())
     results["offload/freed_bytes"] = on_gpu - torch.cuda.memory_allocated()
     actor.load_to_device()
-    results["offload/params_back"] = _devices(actor.module.parameters())
+    results["offload/params_back"] = _devices(actor.model.module.parameters())
     saved = [(t.dtype, t.device.type) for t in _optimizer_tensors(actor)]
     path = os.path.join(out_dir, "ckpt")
     actor.save_checkpoint(path)

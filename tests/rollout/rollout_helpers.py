@@ -154,7 +154,7 @@ def one_rank_actor(model_dir: str, temperature: float) -> Any:
     """An `Actor` (FSDP2 over the current one-rank world, fp32 on CPU) for `model_dir`."""
     from vlrl.config import PPOConfig
     from vlrl.models.processor import load_processor
-    from vlrl.workers.actor import Actor
+    from vlrl.workers.from_config import build_actor
 
     config = PPOConfig()
     config.worker.actor.model.model_path = model_dir
@@ -163,7 +163,7 @@ def one_rank_actor(model_dir: str, temperature: float) -> Any:
     config.trainer.device = "cpu"
     config.data.max_prompt_length, config.data.max_response_length = 256, 12
     config.derive()
-    return Actor(config, model_dir, load_processor(model_dir)[1], "cpu")
+    return build_actor(config, load_processor(model_dir)[1], "cpu", model_path=model_dir)
 
 
 @torch.no_grad()

@@ -274,7 +274,9 @@ def test_actor_scores_what_the_engines_sample(vl, tmp_path):
     try:
         actor = one_rank_actor(folder, temperature)
         assert (
-            actor.banned_token_ids == tuple(vl.engine.banned_token_ids) == tuple(hf_engine.banned_token_ids)
+            actor.model.banned_token_ids
+            == tuple(vl.engine.banned_token_ids)
+            == tuple(hf_engine.banned_token_ids)
         )
         for engine in (vl.engine, hf_engine):
             batch = engine.generate(vl.prompts, settings)
@@ -283,7 +285,7 @@ def test_actor_scores_what_the_engines_sample(vl, tmp_path):
             torch.testing.assert_close(
                 actor_log_probs[mask], batch.rollout_log_probs[mask], atol=2e-4, rtol=0
             )
-            out = actor.forward_micro_batch(batch, temperature, image_anchor=True, with_entropy=True)
+            out = actor.model.forward_micro_batch(batch, temperature, image_anchor=True, with_entropy=True)
             expected = masked_entropy(model, folder, batch, vl.engine.banned_token_ids, temperature)
             torch.testing.assert_close(out.entropy[mask].double(), expected[mask], atol=2e-4, rtol=0)
             # the raw (unbanned) distribution is far from it: the check can tell them apart

@@ -3,6 +3,8 @@ what vLLM sampled from prompts with videos equal vLLM's own, packed and padded, 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from PIL import Image
@@ -67,7 +69,7 @@ def test_actor_log_probs_match_vllm_on_videos(tiny_model, arch):
         actor = one_rank_actor(path, temperature)
         packed = actor.compute_log_probs(batch, temperature)
         torch.testing.assert_close(packed[mask], batch.rollout_log_probs[mask], atol=2e-4, rtol=0)
-        actor.padding_free = False
+        actor.model.spec = replace(actor.model.spec, padding_free=False)
         padded = actor.compute_log_probs(batch, temperature)
         torch.testing.assert_close(padded[mask], packed[mask], atol=2e-5, rtol=0)
         engine.close()

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from vlrl.algorithms import aggregate_loss, compute_kl_loss, compute_policy_loss, count_tokens_and_seqs
-from vlrl.config import ActorConfig, PPOConfig
+from vlrl.config import ActorConfig, AlgorithmConfig
 from vlrl.models.loading import model_class
 from vlrl.models.lora import ADAPTER, lora_scaling_of, merged_named_tensors
 from vlrl.models.moe import write_checkpoint_layout
@@ -53,19 +53,11 @@ from vlrl.workers.checkpoint_io import (
 )
 from vlrl.workers.fsdp import fsdp_offloads_to_cpu, full_state_dict, move_optimizer_state, move_params
 from vlrl.workers.optim import build_lr_scheduler, build_optimizer, clip_and_step
-from vlrl.workers.reference import ShardedModel
-from vlrl.workers.vision import VisionCache
+from vlrl.workers.sharded_model import ShardedModel, ShardSpec
 
 logger = logging.getLogger(__name__)
 TOKEN_METRICS = ("pg_clipfrac_higher", "pg_clipfrac_lower", "ppo_kl", "entropy")
 LOSS_METRICS = ("pg_loss", "kl_loss")
-
-
-def default_total_steps(config: PPOConfig) -> int | None:
-    """Optimizer steps of the whole run when `trainer.max_steps` is set, else None (unknown)."""
-    if not config.trainer.max_steps:
-        return None
-    return config.trainer.max_steps * config.optimizer_steps_per_step
 
 
 class _UpdateStats:
@@ -125,8 +117,9 @@ def manual_offload(cfg: ActorConfig, device: torch.device) -> tuple[bool, bool]:
     return cfg.offload.offload_params, cfg.offload.offload_optimizer
 
 
-class Actor(ShardedModel):
-    """The policy being trained. `module` is the FSDP2-wrapped HF model (its state_dict holds DTensors).
+class Actor:
+    """The policy being trained: a trainable `ShardedModel` (`model`; `model.module` is the FSDP2-wrapped
+    HF model, its state_dict holds DTensors), its optimizer and LR schedule.
 
     Public API: `compute_log_probs`, `update_policy`, `save_checkpoint` / `load_checkpoint`,
     `save_hf`, `offload_to_cpu` / `load_to_device`, `set_total_steps`.
@@ -134,42 +127,46 @@ class Actor(ShardedModel):
 
     def __init__(
         self,
-        config: PPOConfig,
+        cfg: ActorConfig,
         model_path: str,
         processor: Any,
         device: torch.device | str,
         *,
-        vision_cache: VisionCache | None = None,
+        algorithm: AlgorithmConfig,
+        optimizer_steps_per_step: int,
+        samples_per_minibatch: int,
+        temperature: float,
         total_steps: int | None = None,
     ) -> None:
-        cfg = config.worker.actor
-        super().__init__(
-            config,
-            model_path,
-            processor,
-            device,
-            model_cfg=cfg.model,
-            fsdp_cfg=cfg.fsdp,
-            padding_free=cfg.padding_free,
-            micro_batch_size=cfg.micro_batch_size_per_device_for_experience,
-            trainable=True,
-            vision_cache=vision_cache,
-        )
+        """`algorithm`: the KL-loss settings (`use_kl_loss`, `kl_penalty`, `kl_coef`).
+        `optimizer_steps_per_step`: optimizer steps per trainer step (the LR schedule counts warm-up
+        in trainer steps); `samples_per_minibatch`: rows of this rank per optimizer step;
+        `temperature`: the rollout's sampling temperature, which the update's log-probs are taken at;
+        `total_steps`: optimizer steps of the whole run (None: unknown, see `set_total_steps`)."""
         self.cfg = cfg
+        self.algorithm = algorithm
+        self.optimizer_steps_per_step = optimizer_steps_per_step
+        self.samples_per_minibatch = samples_per_minibatch
+        self.temperature = temperature
+        self.model = ShardedModel(ShardSpec.of_actor(cfg, model_path), processor, device, trainable=True)
         self.lora = cfg.model.lora.rank > 0  # then only the adapters train, save and load
         # the optimizer, its states and grad-norm clipping cover the trainable parameters only
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.params = [p for p in self.model.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
-        self.set_total_steps(total_steps if total_steps is not None else default_total_steps(config))
+        self.set_total_steps(total_steps)
         self.global_step = 0  # optimizer steps attempted (skipped ones included)
         self.skipped_steps = 0  # over the whole run
-        self.offload_params, self.offload_optimizer = manual_offload(cfg, self.device)
+        self.offload_params, self.offload_optimizer = manual_offload(cfg, self.model.device)
+
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
+        """Log-probs [N, R] (fp32, CPU) of `batch.responses` under the current policy (no grad)."""
+        return self.model.compute_log_probs(batch, temperature)
 
     def set_total_steps(self, total_steps: int | None) -> None:
         """Optimizer steps of the whole run (for warm-up ratio and cosine); rebuilds the schedule."""
         self.total_steps = total_steps
         self.scheduler = build_lr_scheduler(
-            self.optimizer, self.cfg.optim, total_steps or 0, self.config.optimizer_steps_per_step
+            self.optimizer, self.cfg.optim, total_steps or 0, self.optimizer_steps_per_step
         )
 
     def _check_schedule(self) -> None:
@@ -184,33 +181,35 @@ class Actor(ShardedModel):
             )
 
     # ----------------------------------------------------------------------------- update
-    def update_policy(self, batch: RolloutBatch) -> dict[str, float]:
+    def update_policy(self, batch: RolloutBatch, on_policy: bool = False) -> dict[str, float]:
         """`ppo_epochs` passes of mini-batch updates over this rank's rows; returns mean metrics.
 
-        Without `batch.old_log_probs` (allowed when `config.on_policy_update`: one optimizer step),
-        the update's own log-probs, detached, are the old ones, and it fills `batch.old_log_probs`.
+        `on_policy`: the run's update is one optimizer step on the policy that generated the batch
+        (`PPOConfig.on_policy_update`), so `batch.old_log_probs` may be missing: the update's own
+        log-probs, detached, are then the old ones, and it fills `batch.old_log_probs`.
         """
         if batch.advantages is None:
             raise ValueError("update_policy needs batch.advantages")
-        on_policy = batch.old_log_probs is None
-        if on_policy and not self.config.on_policy_update:
+        own_old = batch.old_log_probs is None  # the update's log-probs serve as the old ones
+        if own_old and not on_policy:
             raise ValueError(
-                "update_policy needs batch.old_log_probs: the update takes more than one optimizer step"
+                "update_policy needs batch.old_log_probs unless on_policy (one optimizer step per batch)"
             )
-        if self.config.algorithm.use_kl_loss and batch.ref_log_probs is None:
+        if self.algorithm.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("algorithm.use_kl_loss=true needs batch.ref_log_probs")
         self._check_schedule()
+        model = self.model
         if self.offload_optimizer:
-            move_optimizer_state(self.optimizer, self.device)
-        self.module.train()
+            move_optimizer_state(self.optimizer, model.device)
+        model.module.train()
         stats = _UpdateStats()
-        image_anchor = self.any_rank_has_media(batch)
-        size = max(self.config.samples_per_minibatch_per_rank, 1)
+        image_anchor = model.any_rank_has_media(batch)
+        size = max(self.samples_per_minibatch, 1)
         minis = [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
-        count = int(self._all_reduce([len(minis)], dist.ReduceOp.MAX)[0])
+        count = int(model.all_reduce([len(minis)], dist.ReduceOp.MAX)[0])
         minis += [[] for _ in range(count - len(minis))]
         start = time.perf_counter()
-        if on_policy:
+        if own_old:
             if len(minis) != 1:
                 raise ValueError(f"an on-policy update takes one mini-batch, this batch makes {len(minis)}")
             batch.old_log_probs = torch.zeros(batch.responses.shape, dtype=torch.float32)
@@ -218,8 +217,8 @@ class Actor(ShardedModel):
         for _ in range(self.cfg.ppo_epochs):
             for rows in minis:
                 mini = batch.select(rows)
-                log_probs = self.forward_backward(mini, stats, image_anchor, on_policy)
-                if on_policy and rows and computed_old is not None:
+                log_probs = self.forward_backward(mini, stats, image_anchor, own_old)
+                if own_old and rows and computed_old is not None:
                     computed_old[rows] = log_probs
                 if self.cfg.skip_steps_without_advantage and not self._has_advantage(mini):
                     self.skip_step(stats)
@@ -228,55 +227,56 @@ class Actor(ShardedModel):
         seconds = time.perf_counter() - start
         if self.offload_optimizer:
             move_optimizer_state(self.optimizer, "cpu")
-        if self.vision is not None:
-            self.vision.clear()  # the update is the step's last pass over these images
-        return {**stats.finish(self._all_reduce), **self._perf_metrics(batch, seconds)}
+        if model.vision is not None:
+            model.vision.clear()  # the update is the step's last pass over these images
+        return {**stats.finish(model.all_reduce), **self._perf_metrics(batch, seconds)}
 
     def _perf_metrics(self, batch: RolloutBatch, seconds: float) -> dict[str, float]:
         """Real tokens/s and MFU of this update (decoder model FLOPs; see vlrl.utils.flops), rank mean."""
         lengths = batch.attention_mask.sum(-1).tolist()
         epochs = self.cfg.ppo_epochs
-        flops = epochs * training_flops(self.hf_config, lengths)
-        peak = peak_flops(self.device) or float("nan")
+        model = self.model
+        flops = epochs * training_flops(model.hf_config, lengths)
+        peak = peak_flops(model.device) or float("nan")
         # a rank of a Ulysses group runs 1/sp of its rows' tokens; the sum over ranks counts them once
-        sp = self.sp_size
-        tokens_per_s, mfu = self._all_reduce(
+        sp = model.spec.ulysses_size
+        tokens_per_s, mfu = model.all_reduce(
             [epochs * sum(lengths) / seconds / sp, flops / sp / seconds / peak]
         )
-        return {"perf/actor_tokens_per_s": tokens_per_s, "perf/actor_mfu": mfu / self.world_size}
+        return {"perf/actor_tokens_per_s": tokens_per_s, "perf/actor_mfu": mfu / model.world_size}
 
     def forward_backward(
         self,
         mini: RolloutBatch,
         stats: _UpdateStats,
         image_anchor: bool | tuple[bool, bool],
-        on_policy: bool = False,
+        own_old: bool = False,
     ) -> torch.Tensor:
         """Accumulate the gradient of one mini-batch's loss (summed over ranks) into `.grad`.
 
-        Returns the log-probs [len(mini), R] it computed (detached, CPU). `on_policy`: they are also
+        Returns the log-probs [len(mini), R] it computed (detached, CPU). `own_old`: they are also
         the old log-probs (the ratio is exactly 1; `mini.old_log_probs` is not read)."""
-        cfg, algo, dev = self.cfg, self.config.algorithm, self.device
+        cfg, algo, model = self.cfg, self.algorithm, self.model
+        dev, sp = model.device, model.spec.ulysses_size
         computed = torch.zeros(mini.responses.shape, dtype=torch.float32)
         # a Ulysses group's ranks hold the same rows: count them once
         num_tokens, num_seqs = (
-            x / self.sp_size for x in self._all_reduce(list(count_tokens_and_seqs(mini.response_mask)))
+            x / sp for x in model.all_reduce(list(count_tokens_and_seqs(mini.response_mask)))
         )
         agg: dict[str, Any] = {
             "loss_avg_mode": cfg.loss_avg_mode,
             "num_tokens": num_tokens,
             "num_seqs": num_seqs,
         }
-        temperature = self.config.worker.rollout.temperature
-        for rows in self.plan_micro_batches(mini, cfg.micro_batch_size_per_device_for_update):
+        for rows in model.plan_micro_batches(mini, cfg.micro_batch_size_per_device_for_update):
             mb = mini.select(rows)
-            out = self.forward_micro_batch(
-                mb, temperature, image_anchor, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0
+            out = model.forward_micro_batch(
+                mb, self.temperature, image_anchor, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0
             )
             mask = mb.response_mask.to(dev)
             if rows:
                 computed[rows] = out.log_probs.detach().cpu()
-            old = out.log_probs.detach() if on_policy else mb.tensor("old_log_probs").to(dev)
+            old = out.log_probs.detach() if own_old else mb.tensor("old_log_probs").to(dev)
             pg, metrics = compute_policy_loss(
                 cfg.policy_loss,
                 old,
@@ -304,10 +304,10 @@ class Actor(ShardedModel):
                 )
             # x groups: FSDP averages the ranks' gradients, we want the sum over the data-parallel
             # groups (with sp = 1 the world size; see the module docstring for sp > 1)
-            ((loss + out.anchor) * self.dp_size).backward()
+            ((loss + out.anchor) * model.dp_size).backward()
             tokens = int(mask.sum())
             entropy = float((entropy_all.detach() * mask).sum() / max(tokens, 1))
-            sp = self.sp_size  # the group's ranks each add the same loss: count it once
+            # the group's ranks each add the same loss: count it once
             stats.add_micro(metrics, entropy, tokens, float(pg.detach()) / sp, float(kl.detach()) / sp)
         return computed
 
@@ -325,7 +325,7 @@ class Actor(ShardedModel):
     def _has_advantage(self, mini: RolloutBatch) -> bool:
         """Whether any rank's mini-batch has a non-zero advantage on a response token."""
         local = float((mini.tensor("advantages") * mini.response_mask).abs().sum() > 0) if len(mini) else 0.0
-        return self._all_reduce([local], dist.ReduceOp.MAX)[0] > 0
+        return self.model.all_reduce([local], dist.ReduceOp.MAX)[0] > 0
 
     def skip_step(self, stats: _UpdateStats) -> None:
         """Drop the accumulated gradient; the LR schedule and step counts still advance."""
@@ -340,14 +340,14 @@ class Actor(ShardedModel):
     def offload_to_cpu(self) -> None:
         """Free device memory for the rollout engine (per `worker.actor.offload`; no-op on CPU)."""
         if self.offload_params:
-            move_params(self.module, "cpu")
+            move_params(self.model.module, "cpu")
         if self.offload_optimizer:
             move_optimizer_state(self.optimizer, "cpu")
 
     def load_to_device(self) -> None:
         """Bring the parameters back before log-probs / update (no-op on CPU)."""
         if self.offload_params:
-            move_params(self.module, self.device)
+            move_params(self.model.module, self.model.device)
 
     # -------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> None:
@@ -356,7 +356,8 @@ class Actor(ShardedModel):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         os.makedirs(path, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_dict_options())
+        module = self.model.module
+        model_sd, optim_sd = get_state_dict(module, self.optimizer, options=self._state_dict_options())
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
         extra = {
             "scheduler": self.scheduler.state_dict(),
@@ -364,7 +365,7 @@ class Actor(ShardedModel):
             "skipped_steps": self.skipped_steps,
             "rng": rng_state(),
         }
-        save_extra_state(os.path.join(path, f"extra_state_rank{self.rank}.pt"), extra)
+        save_extra_state(os.path.join(path, f"extra_state_rank{self.model.rank}.pt"), extra)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
@@ -372,14 +373,14 @@ class Actor(ShardedModel):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        options = self._state_dict_options()
+        options, module = self._state_dict_options(), self.model.module
         # creates missing optim states
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=options)
+        model_sd, optim_sd = get_state_dict(module, self.optimizer, options=options)
         placement = state_placement(self.optimizer)  # before load_state_dict recasts them
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(path, "dcp")))
         set_state_dict(
-            self.module,
+            module,
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
@@ -389,7 +390,7 @@ class Actor(ShardedModel):
         restore_state_placement(self.optimizer, placement)
         if self.offload_optimizer:
             move_optimizer_state(self.optimizer, "cpu")  # where update_policy leaves it between steps
-        extra = load_extra_state(os.path.join(path, f"extra_state_rank{self.rank}.pt"))
+        extra = load_extra_state(os.path.join(path, f"extra_state_rank{self.model.rank}.pt"))
         self.scheduler.load_state_dict(extra["scheduler"])
         self.global_step, self.skipped_steps = extra["global_step"], extra["skipped_steps"]
         set_rng_state(extra["rng"])
@@ -407,29 +408,30 @@ class Actor(ShardedModel):
     def save_adapter_config(self, path: str) -> None:
         """With LoRA, write peft's `adapter_config.json` (rank, alpha, targets, base model) to `path`."""
         if self.lora:
-            configs: Any = self.module.peft_config  # {adapter name: peft.LoraConfig}
+            configs: Any = self.model.module.peft_config  # {adapter name: peft.LoraConfig}
             configs[ADAPTER].save_pretrained(path)
 
     def save_hf(self, path: str) -> None:
         """Rank 0 writes a Hugging Face folder (full weights, config, processor/tokenizer). Collective.
 
         With LoRA the adapters are merged into the weights (plain transformers names)."""
-        state = full_state_dict(self.module)
+        model = self.model
+        state = full_state_dict(model.module)
         if self.lora:
-            state = dict(merged_named_tensors(state.items(), lora_scaling_of(self.module)))
-        if self.rank == 0:
-            config = copy.deepcopy(self.hf_config)
+            state = dict(merged_named_tensors(state.items(), lora_scaling_of(model.module)))
+        if model.rank == 0:
+            config = copy.deepcopy(model.hf_config)
             config.use_cache = True
             text = getattr(config, "text_config", None) or config
             text._attn_implementation = "sdpa"  # our packed attention is not registered elsewhere
             if getattr(config, "vision_config", None) is not None:
                 config.vision_config._attn_implementation = "sdpa"  # nor our vision attention
             with torch.device("meta"):
-                model = model_class(config).from_config(config)
-            model.load_state_dict(state, assign=True, strict=True)
-            model.save_pretrained(path)
+                hf_model = model_class(config).from_config(config)
+            hf_model.load_state_dict(state, assign=True, strict=True)
+            hf_model.save_pretrained(path)
             write_checkpoint_layout(path, config)  # MoE experts as vLLM reads them
-            self.tokenizer_or_processor().save_pretrained(path)
+            model.tokenizer_or_processor().save_pretrained(path)
         dist.barrier()
 
 

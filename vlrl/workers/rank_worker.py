@@ -72,8 +72,7 @@ class RankWorker:
         `optimizer_steps`: of the whole run (for the LR schedule)."""
         from vlrl.models.processor import load_processor
         from vlrl.rollout import create_rollout_engine
-        from vlrl.workers.actor import Actor
-        from vlrl.workers.reference import AdapterOffReference, Reference
+        from vlrl.workers.from_config import build_actor, build_reference
 
         model = self.config.worker.actor.model
         tokenizer, processor = load_processor(
@@ -86,26 +85,22 @@ class RankWorker:
             )  # fmt: skip
         if self.role == "rollout":
             return {}  # the weights come by broadcast before the first generation
-        self.actor = Actor(self.config, model.model_path, processor, self.device, total_steps=optimizer_steps)
-        if self.config.use_reference and model.lora.rank > 0:
-            # the actor's base weights with the adapters off: no second copy of the model
-            self.reference = AdapterOffReference(
-                self.actor, self.config.worker.ref.micro_batch_size_per_device_for_experience
-            )
-        elif self.config.use_reference:
-            # shares the actor's per-step cache of image tensors: each image is processed once
-            self.reference = Reference(
-                self.config, model.model_path, processor, self.device, vision_cache=self.actor.vision
-            )
+        self.actor = build_actor(self.config, processor, self.device, total_steps=optimizer_steps)
+        if self.config.use_reference:
+            self.reference = build_reference(self.config, processor, self.device, actor=self.actor)
         if self.role == "train":
             return {}
-        check_same_banned_tokens(self.rollout.banned_token_ids, self.actor.banned_token_ids)
+        check_same_banned_tokens(self.rollout.banned_token_ids, self.actor.model.banned_token_ids)
         return self.sync_weights()
 
     def banned_token_ids(self) -> tuple[int, ...]:
         """The tokens this rank's policy never samples: the engine's on a rollout rank, else the
         actor's (the driver compares them across roles in asynchronous mode)."""
-        return tuple(self.rollout.banned_token_ids) if self.role == "rollout" else self.actor.banned_token_ids
+        return (
+            tuple(self.rollout.banned_token_ids)
+            if self.role == "rollout"
+            else self.actor.model.banned_token_ids
+        )
 
     # ------------------------------------------------------------------------- step phases
     def generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch:
@@ -181,7 +176,7 @@ class RankWorker:
         else:
             self._fetch_media(batch)
         try:
-            metrics = self.actor.update_policy(batch)
+            metrics = self.actor.update_policy(batch, on_policy=self.config.on_policy_update)
         finally:
             self.experience.drop()
             self.release_images()
@@ -203,7 +198,7 @@ class RankWorker:
     def sync_weights(self) -> dict[str, float]:
         from vlrl.rollout import sync_weights
 
-        return sync_weights(self.actor.module, self.rollout, self.config.worker.rollout.sync_bucket_mb)
+        return sync_weights(self.actor.model.module, self.rollout, self.config.worker.rollout.sync_bucket_mb)
 
     # ------------------------------------------------------------------ asynchronous mode
     def free_address(self) -> tuple[str, int]:
@@ -233,7 +228,7 @@ class RankWorker:
         from vlrl.rollout.weight_sync import full_named_tensors
 
         start = time.perf_counter()
-        named = full_named_tensors(self.actor.module)
+        named = full_named_tensors(self.actor.model.module)
         if self.broadcast is None:  # not a member: join the gathers only
             for _ in named:
                 pass
@@ -256,8 +251,8 @@ class RankWorker:
             return
         self.actor.save_checkpoint(path)
         if self.rank == 0:
-            self.actor.hf_config.save_pretrained(os.path.join(path, "hf_config"))
-            self.actor.tokenizer_or_processor().save_pretrained(os.path.join(path, "hf_config"))
+            self.actor.model.hf_config.save_pretrained(os.path.join(path, "hf_config"))
+            self.actor.model.tokenizer_or_processor().save_pretrained(os.path.join(path, "hf_config"))
             self.actor.save_adapter_config(os.path.join(path, "hf_config"))
 
     def load_checkpoint(self, path: str) -> dict[str, float]:

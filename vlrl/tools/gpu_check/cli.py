@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     small = args.small or args.device == "cpu"
     if args.attention_backend:
         from vlrl.models.attention import BACKENDS
-        from vlrl.workers.reference import ShardedModel
+        from vlrl.workers.sharded_model import ShardedModel
 
         if args.attention_backend not in BACKENDS:
             raise SystemExit(

@@ -143,7 +143,7 @@ def actor_log_probs(model: Any, batch: RolloutBatch, temperature: float = 1.0) -
 def actor_log_prob_grads(
     model: Any, batch: RolloutBatch, weights: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Log-probs [N, R] of one forward with autograd, and the full gradients of
+    """Log-probs [N, R] of one forward of a `ShardedModel` (an actor's `.model`) with autograd, and the full gradients of
     sum(weights * log_probs) by parameter name (CPU fp32). `weights` [N, R]."""
     from vlrl.workers.actor import gathered_grads
 

@@ -44,16 +44,16 @@ def _lp_gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float
 def _variant(model_dir: str, device: torch.device, batch, weights, padding_free: bool, compute: str):
     """(log-probs, grads) of an Actor with `padding_free` computing in `compute` (bf16 | fp32)."""
     from vlrl.models.processor import load_processor
-    from vlrl.workers.actor import Actor
+    from vlrl.workers.from_config import build_actor
 
     config = make_config(
         model_dir, device,
         **{"worker.actor.padding_free": padding_free, "worker.actor.fsdp.mp_param_dtype": compute},
     )  # fmt: skip
     _, processor = load_processor(model_dir)
-    actor = Actor(config, model_dir, processor, device)
+    actor = build_actor(config, processor, device, model_path=model_dir)
     try:
-        return actor_log_prob_grads(actor, batch, weights)
+        return actor_log_prob_grads(actor.model, batch, weights)
     finally:
         del actor
 

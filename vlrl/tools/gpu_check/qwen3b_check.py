@@ -117,7 +117,7 @@ def _sizes(small: bool) -> dict[str, Any]:
 def check_qwen3b_update(ctx: Context, outcome: Outcome) -> None:
     from vlrl.models.processor import load_processor
     from vlrl.utils.flops import peak_flops, training_flops
-    from vlrl.workers.actor import Actor
+    from vlrl.workers.from_config import build_actor
 
     size = _sizes(ctx.small)
     t = time.perf_counter()
@@ -148,7 +148,7 @@ def check_qwen3b_update(ctx: Context, outcome: Outcome) -> None:
     with single_rank_world(ctx.device):
         _, processor = load_processor(str(model_dir))
         t = time.perf_counter()
-        actor = Actor(config, str(model_dir), processor, ctx.device)
+        actor = build_actor(config, processor, ctx.device, model_path=str(model_dir))
         outcome.details["load_seconds"] = round(time.perf_counter() - t, 1)
         phases = outcome.details["memory"] = {"load": memory(ctx.device)}  # per phase, peak reset after each
         t = time.perf_counter()

@@ -172,7 +172,9 @@ def check_rank_worker(ctx: Context, outcome: Outcome) -> None:
         worker.save_checkpoint(hf_dir, model_only=True)
         phase("model_only_save", t)
         outcome.details["model_only_weight_gap"] = gap = _saved_weight_gap(
-            os.path.join(hf_dir, "huggingface"), full_state_dict(worker.actor.module), worker.actor.hf_config
+            os.path.join(hf_dir, "huggingface"),
+            full_state_dict(worker.actor.model.module),
+            worker.actor.model.hf_config,
         )
         outcome.expect(gap == 0.0, f"model-only save differs from the actor's weights by {gap:.3g}")
     finally:
