@@ -63,7 +63,7 @@ def timed(fn) -> tuple[float, object]:
 
 def measure(trainer, prompts) -> dict[str, float]:
     g, batch = timed(lambda: trainer._generate(prompts))
-    r, _ = timed(lambda: trainer.rewards.score(trainer._reward_inputs(batch)))
+    r, _ = timed(lambda: trainer.rewards.score(trainer.scorer.inputs(batch)))
     after, _ = timed(lambda: trainer._score(trainer._generate(prompts)))
     streamed, _ = timed(lambda: trainer._generate_and_score(prompts))
     return {"G": g, "R": r, "after": after, "streamed": streamed}

@@ -32,9 +32,7 @@ from vlrl.config import PPOConfig
 from vlrl.image_refs import ImageRefs
 from vlrl.models.sampling import truncation_warning
 from vlrl.protocol import KeptRows, PromptBatch, RolloutBatch
-from vlrl.rewards import RewardInput, RewardResult, build_reward_inputs, scores_to_token_level
 from vlrl.rollout.base import eos_token_ids
-from vlrl.rollout.output import assemble_rollout_batch
 from vlrl.trainer.async_rollout import AsyncRollout, Prefetched
 from vlrl.trainer.checkpoint import CheckpointManager, check_shared_filesystem, read_state
 from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, split_prompts
@@ -48,7 +46,7 @@ from vlrl.trainer.metrics import (
     throughput_metrics,
 )
 from vlrl.trainer.ranks import Pending, RankRoles
-from vlrl.trainer.streaming import score_the_rest, stream_and_score
+from vlrl.trainer.scoring import BatchScorer
 from vlrl.workers.rank_worker import check_same_banned_tokens
 
 logger = logging.getLogger(__name__)
@@ -71,8 +69,11 @@ class PPOTrainer:
         self.image_refs = image_refs  # batches carry image references, not pixels (vlrl.image_refs)
         self.data = data
         self.tokenizer = data.tokenizer
-        # the engines' EOS set (same function, same files), to read streamed groups as they do
-        self.eos_token_ids = eos_token_ids(self.tokenizer, config.worker.actor.model.model_path)
+        self.scorer = BatchScorer(
+            self.tokenizer, data.pad_token_id,
+            eos_token_ids(self.tokenizer, config.worker.actor.model.model_path),  # the engines' (same files)
+            config.worker.reward.skip_special_tokens,
+        )  # fmt: skip
         self.rewards = rewards
         algo = config.algorithm
         self.kl_ctrl = make_kl_controller(algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon)
@@ -296,7 +297,7 @@ class PPOTrainer:
         timer: PhaseTimer | None = None,
     ) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate and score `prompts`; with `worker.reward.streaming` the groups are scored while
-        the rest generate (`vlrl.trainer.streaming`), and `timing/reward` is only the wait after
+        the rest generate (`vlrl.trainer.scoring`), and `timing/reward` is only the wait after
         generation ended. Returns the scored batch and the reward metrics."""
         timer = timer or PhaseTimer()
         if not self.config.worker.reward.streaming:
@@ -306,14 +307,13 @@ class PPOTrainer:
                 return batch, self._score(batch)
         shards, overrides = self._engine_inputs(prompts, overrides, round_)
         tp = self.config.worker.rollout.tensor_parallel_size
-        with self.rewards.stream() as scorer:
+        with self.rewards.stream() as rewards:
             with timer("gen"):
                 calls = self.engines.stream("generate_stream", shards, overrides=overrides)
-                per_rank, added = stream_and_score(calls, shards, tp, scorer, self._group_inputs)
+                per_rank, added = self.scorer.stream(calls, shards, tp, rewards)
                 batch = self._merge(per_rank)
             with timer("reward"):
-                score_the_rest(scorer, batch, added, lambda: self._reward_inputs(batch))
-                return batch, self._apply_scores(batch, scorer.finish(len(batch)))
+                return batch, self.scorer.finish(rewards, batch, added)
 
     def _merge(self, per_rank: list[RolloutBatch]) -> RolloutBatch:
         return merge_rollouts(
@@ -411,36 +411,7 @@ class PPOTrainer:
 
     def _score(self, batch: RolloutBatch) -> dict[str, float]:
         """Decode, score in the reward workers, and put the score on each response's last token."""
-        return self._apply_scores(batch, self.rewards.score(self._reward_inputs(batch)))
-
-    def _group_inputs(self, prompts: PromptBatch, responses: list[list[int]]) -> list[RewardInput]:
-        """The reward inputs of streamed groups: their rows assembled as the engine assembles
-        the batch, then read as from the batch."""
-        rows = assemble_rollout_batch(prompts, responses, len(responses) // len(prompts),
-                                      self.data.pad_token_id, self.eos_token_ids)  # fmt: skip
-        return self._reward_inputs(rows)
-
-    def _reward_inputs(self, batch: RolloutBatch) -> list[RewardInput]:
-        """Each row's `RewardInput`: the decoded response (multi-turn: the final answer, with the
-        whole trajectory in the extras), its length, prompt, ground truth and extras."""
-        lengths = batch.response_mask.sum(-1).tolist()
-        skip = self.config.worker.reward.skip_special_tokens
-        extras = batch.extras
-        if batch.trajectories is not None:  # multi-turn: the final answer, and the whole trajectory
-            texts = [info["final_response"] for info in batch.trajectories]
-            extras = [{**extra, "trajectory": info} for extra, info in zip(batch.extras, batch.trajectories)]
-        else:
-            texts = [self.tokenizer.decode(row[:length], skip_special_tokens=skip)
-                     for row, length in zip(batch.responses.tolist(), lengths)]  # fmt: skip
-        return build_reward_inputs(texts, lengths, batch.prompts, batch.ground_truths, extras)
-
-    @staticmethod
-    def _apply_scores(batch: RolloutBatch, result: RewardResult) -> dict[str, float]:
-        """Put the scores on `batch` (the overall one on each response's last token); the metrics."""
-        batch.reward_parts = result.scores
-        overall = torch.tensor([s["overall"] for s in result.scores], dtype=torch.float32)
-        batch.token_level_scores = scores_to_token_level(overall, batch.response_mask)
-        return result.metrics()
+        return self.scorer.apply(batch, self.rewards.score(self.scorer.inputs(batch)))
 
     def _remax_baselines(self, prompts: PromptBatch, batch: RolloutBatch, round_: int) -> torch.Tensor:
         """ReMax: each sample's baseline is the reward of a greedy response to its prompt. [N]"""
