@@ -73,31 +73,57 @@ def _metrics(out: Path) -> dict[int, dict[str, float]]:
     return {row["step"]: row for row in map(json.loads, lines)}
 
 
-def test_two_ranks_train_checkpoint_and_resume(assets: dict[str, Path], tmp_path: Path) -> None:
-    out = tmp_path / "run"
+def test_two_ranks_train_checkpoint_and_a_killed_run_resumes_exactly(
+    assets: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two ranks (data parallel, KL loss with a reference, two updates per step), 4 steps with
+    checkpoints at 2 and 4 and validation at the end; then the same run killed during step 3 and
+    started again resumes from step 2 and logs what the uninterrupted run logged."""
     common = ["trainer.n_gpus_per_node=2", "algorithm.disable_kl=false", "algorithm.use_kl_loss=true",
               "algorithm.kl_penalty=low_var_kl", "trainer.save_freq=2", "trainer.val_before_train=false",
-              "trainer.val_freq=-1"]  # fmt: skip
-    _run(_args(assets, out, *common, "trainer.max_steps=2"))
-    metrics = _metrics(out)
-    assert sorted(metrics) == [1, 2]
-    for step in (1, 2):
-        row = metrics[step]
+              "trainer.val_freq=-1", "trainer.max_steps=4", "worker.rollout.calculate_log_probs=true"]  # fmt: skip
+    reference = tmp_path / "uninterrupted"
+    _run(_args(assets, reference, *common))
+    expected = _metrics(reference)
+    assert sorted(expected) == [1, 2, 3, 4]
+    for row in expected.values():
         assert 0.0 <= row["reward/overall"] <= 1.0
         assert row["actor/grad_norm"] > 0  # the update reached the weights
         assert "actor/kl_loss" in row and row["timing/gen"] > 0 and row["timing/update"] > 0
         assert row["perf/tokens_per_s"] > 0
-    assert "val/overall" in metrics[2]  # validation at the end
-    assert (out / "global_step_2" / "trainer_state.json").is_file()
-    tracker = json.loads((out / "checkpoint_tracker.json").read_text())
-    assert tracker["latest"] == 2
-    _check_merged_weights_changed(out / "global_step_2" / "actor", assets["model"])
+        assert row["rollout/log_prob_diff_mean"] < 0.05  # the old log-probs vs the engine's
+    assert "val/overall" in expected[4]  # validation at the end
+    tracker = json.loads((reference / "checkpoint_tracker.json").read_text())
+    assert tracker["latest"] == 4
+    _check_merged_weights_changed(reference / "global_step_4" / "actor", assets["model"])
+
+    killed = tmp_path / "killed"
+    proc = _start(_args(assets, killed, *common), tmp_path / "killed.log")
+    deadline = time.time() + 600
+    # wait until step 2 is checkpointed and logged, then kill during step 3
+    while time.time() < deadline and proc.poll() is None:
+        if (killed / "global_step_2" / "trainer_state.json").exists() and 2 in _safe_metrics(killed):
+            break
+        time.sleep(0.2)
+    time.sleep(0.5)
+    assert proc.poll() is None, (
+        "the run ended before it could be killed:\n" + (tmp_path / "killed.log").read_text()[-3000:]
+    )
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before_kill = max(_safe_metrics(killed))
+    assert done_before_kill < 4
 
     timeline = tmp_path / "timeline.json"
-    proc = _run(_args(assets, out, *common, "trainer.max_steps=3", f"trainer.ray_timeline={timeline}"))
+    proc = _run(_args(assets, killed, *common, f"trainer.ray_timeline={timeline}"))
     assert "resumed from" in proc.stdout + proc.stderr
-    assert sorted(_metrics(out)) == [1, 2, 3]  # step 3 ran after the resume; 1-2 were not repeated
-    assert (out / "global_step_3").is_dir()
+    resumed = _metrics(killed)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    keys = ["reward/overall", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm",
+            "critic/score/mean"]  # fmt: skip
+    for step in range(done_before_kill + 1, 5):
+        for key in keys + (["val/overall"] if step == 4 else []):
+            assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)
     events = json.loads(timeline.read_text())  # Ray's task timeline (Chrome trace events)
     assert any("generate" in str(event.get("name", "")) for event in events), events[:3]
 
@@ -125,50 +151,6 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
         # A new session, so the kill below takes Ray's processes with the driver.
         return subprocess.Popen([sys.executable, "-m", "vlrl.trainer.main", *args], cwd=REPO, env=env,
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-
-
-def test_kill_mid_step_and_resume_matches_uninterrupted_run(assets: dict[str, Path], tmp_path: Path) -> None:
-    # global_batch_size = rollout_batch_size: an on-policy update (no old-log-prob pass), unlike
-    # the two-rank test above
-    common = ["trainer.n_gpus_per_node=1", "trainer.save_freq=1", "trainer.val_before_train=false",
-              "trainer.val_freq=-1", "data.val_files=''", "trainer.max_steps=4",
-              "worker.actor.global_batch_size=4", "worker.rollout.calculate_log_probs=true"]  # fmt: skip
-    reference = tmp_path / "uninterrupted"
-    _run(_args(assets, reference, *common))
-    expected = _metrics(reference)
-    assert "timing/old_ref" not in expected[1]
-    assert expected[1]["rollout/log_prob_diff_mean"] < 0.05  # the update's log-probs vs the engine's
-
-    killed = tmp_path / "killed"
-    proc = _start(_args(assets, killed, *common), tmp_path / "killed.log")
-    deadline = time.time() + 600
-    # wait until step 2 is checkpointed and logged, then kill during step 3
-    while time.time() < deadline and proc.poll() is None:
-        if (killed / "global_step_2" / "trainer_state.json").exists() and 2 in _safe_metrics(killed):
-            break
-        time.sleep(0.2)
-    time.sleep(0.5)
-    assert proc.poll() is None, (
-        "the run ended before it could be killed:\n" + (tmp_path / "killed.log").read_text()[-3000:]
-    )
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done_before_kill = max(_safe_metrics(killed))
-    assert done_before_kill < 4
-
-    proc = _run(_args(assets, killed, *common))
-    assert "resumed from" in proc.stdout + proc.stderr
-    resumed = _metrics(killed)
-    assert sorted(resumed) == [1, 2, 3, 4]
-    for step in range(done_before_kill + 1, 5):
-        for key in (
-            "reward/overall",
-            "response_length/mean",
-            "actor/pg_loss",
-            "actor/grad_norm",
-            "critic/score/mean",
-        ):
-            assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
 def test_async_mode_trains_one_step_off_policy_and_resumes_exactly(
