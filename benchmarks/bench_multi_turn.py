@@ -9,7 +9,10 @@ Cases (both on the demo's prompts and `reveal` tool, fp32, one rank):
   before its call and again before its answer, so turns are ~64+ sampled tokens of varying length,
   as when a model reasons before acting.
 
-Per case, interleaved in one engine (`--repeats` rounds, the fastest of each is kept):
+Per case, interleaved in one engine: each of `--repeats` repetitions runs the three modes back to back
+and prints its tokens/s and ratios to its own single-turn run; the summary gives the median tokens/s
+and the median ratio over the repetitions, with every repetition's ratio (a shared machine's load
+swings absolute rates several-fold between minutes; a repetition's three runs see about the same load):
 - per-turn: `engine.continuous_turns=False`, one `LLM.generate` call per turn (the old loop);
 - continuous: requests driven step by step, a sample's next turn queued as soon as its tool answered;
 - single-turn: the same prompts without tools, `ignore_eos`, `max_tokens` = the continuous call's mean
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -114,36 +118,51 @@ def run_case(name: str, args: argparse.Namespace) -> None:
             tool_seconds[0] += time.perf_counter() - start
 
     pool.call = timed_call
-    best: dict[str, tuple[float, int, float, Any]] = {}  # mode -> (wall, sampled tokens, tool share, batch)
+    # one row per repetition: mode -> (wall, sampled tokens, tool share, batch); the three modes of a
+    # repetition run back to back, so a load change on a shared machine hits a repetition's modes
+    # alike and its ratios to single-turn stay comparable even when the absolute rates swing
+    runs: list[dict[str, tuple[float, int, float, Any]]] = []
+    per_sample = 0  # single-turn tokens per sample: the first continuous call's mean, then fixed
     for r in range(args.repeats):
+        run: dict[str, tuple[float, int, float, Any]] = {}
         for mode, continuous in (("per-turn", False), ("continuous", True)):
             engine.continuous_turns = continuous
             wall, batch, share = timed(engine, prompts, {"seed": r}, tool_seconds)
-            if mode not in best or wall < best[mode][0]:
-                best[mode] = (wall, int(batch.response_mask.sum()), share, batch)
+            run[mode] = (wall, int(batch.response_mask.sum()), share, batch)
+        per_sample = per_sample or max(1, round(run["continuous"][1] / len(run["continuous"][3])))
         # the same engine without the tool loop: one generation of the same sampled-token count
         engine.multi_turn, saved = None, engine.multi_turn
-        per_sample = max(1, round(best["continuous"][1] / len(best["continuous"][3])))
         wall, single, _ = timed(
             engine, prompts, {"seed": r, "ignore_eos": True, "max_tokens": per_sample}, [0.0]
         )
         engine.multi_turn = saved
         # ignore_eos: every sample ran to max_tokens (its mask would stop at a sampled EOS)
-        tokens = len(single) * int(single.responses.shape[1])
-        if "single-turn" not in best or wall < best["single-turn"][0]:
-            best["single-turn"] = (wall, tokens, 0.0, single)
-    single_rate = best["single-turn"][1] / best["single-turn"][0]
+        run["single-turn"] = (wall, len(single) * int(single.responses.shape[1]), 0.0, single)
+        runs.append(run)
+        rates = {mode: tokens / wall for mode, (wall, tokens, _, _) in run.items()}
+        print(f"[{name} repetition {r + 1}] " + "  ".join(
+            f"{mode} {rate:,.0f} tok/s ({rate / rates['single-turn']:.2f}x)" for mode, rate in rates.items()
+        ))  # fmt: skip
     print(
-        f"\n== {name}: {len(best['continuous'][3])} trajectories ({args.prompts} prompts x {args.n}), model {model_dir}"
+        f"\n== {name}: {len(runs[0]['continuous'][3])} trajectories ({args.prompts} prompts x {args.n}), "
+        f"model {model_dir}, median of {len(runs)} repetitions"
     )
-    for mode, (wall, tokens, share, batch) in best.items():
-        rate = tokens / wall
-        line = f"{mode:<12} {wall:6.2f} s  {tokens:6d} sampled tokens  {rate:8,.0f} tokens/s  {rate / single_rate:.2f}x"
+    for mode in runs[0]:
+        rates = [run[mode][1] / run[mode][0] for run in runs]
+        ratios = [
+            run[mode][1] / run[mode][0] / (run["single-turn"][1] / run["single-turn"][0]) for run in runs
+        ]
+        line = (
+            f"{mode:<12} {statistics.median(rates):8,.0f} tokens/s  {statistics.median(ratios):.2f}x "
+            f"(per repetition: {' '.join(f'{x:.2f}' for x in ratios)})"
+        )
         if mode != "single-turn":
+            wall, tokens, _, batch = runs[-1][mode]
             infos = batch.trajectories
             calls = sum(t["num_tool_calls"] for t in infos)
             errors = sum(t["tool_errors"] for t in infos)
             turn_tokens = tokens / max(1, sum(t["num_turns"] for t in infos))
+            share = statistics.median(run[mode][2] for run in runs)
             line += (
                 f"  calls {calls} ({errors} failed), {turn_tokens:.0f} tokens/turn, tools {100 * share:.1f}%"
             )

@@ -190,3 +190,29 @@ def test_format_prompts(name, must_contain):
     rendered = template.render(content=content)
     assert rendered.startswith("<image>\nWhat is shown in <image>? {{ not a variable }}\n\n")
     assert rendered.count("<image>") == 2 and must_contain in rendered
+
+
+def _trajectory(*errors):
+    return {"tool_calls": [{"error": e} for e in errors]}
+
+
+@pytest.mark.parametrize(
+    "response, trajectory, overall, acc, called",
+    [
+        ("red", _trajectory(False), 1.1, 1, 1),  # called the tool, answered right
+        ("red", _trajectory(), 1.0, 1, 0),  # answered right without a call (a lucky guess)
+        ("blue", _trajectory(False), 0.1, 0, 1),  # called, answered wrong: the bonus only
+        ("blue", _trajectory(True), 0.0, 0, 0),  # a malformed call earns nothing
+        ("red", _trajectory(True, False), 1.1, 1, 1),  # a failed call, then one that ran
+        ("red or blue", _trajectory(False), 0.1, 0, 1),
+        ("", _trajectory(False), 0.1, 0, 1),
+    ],
+)
+def test_reveal_demo_reward(response, trajectory, overall, acc, called):
+    fn = _fn("reveal_demo")
+    score = fn({"response": response, "ground_truth": "red", "trajectory": trajectory})
+    assert score == pytest.approx({"overall": overall, "accuracy": acc, "called": called})
+    no_bonus = fn({"response": response, "ground_truth": "red", "trajectory": trajectory}, call_bonus=0.0)
+    assert no_bonus["overall"] == acc
+    with pytest.raises(ValueError, match="multi_turn"):
+        fn({"response": response, "ground_truth": "red"})

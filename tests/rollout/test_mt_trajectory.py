@@ -128,3 +128,23 @@ def test_user_turn_after_the_models_eos_closes_the_turn_once(tiny_model):
     assert renderer.user_turn("sure?") == "<|im_end|>" + user  # the closing, when the model did not write it
     assert renderer.user_turn("sure?", "<|im_end|>") == user
     assert renderer.user_turn("sure?", "</tool_call>") == "<|im_end|>" + user  # not a prefix: kept whole
+
+
+def test_equal_tool_images_of_a_call_are_one_object(tiny_model):
+    """A tool answering a group's samples alike gives them one image object (the actor's vision cache
+    then encodes it once per pass); images are shared within a call only."""
+    from transformers import AutoConfig
+
+    path = tiny_model("qwen2_5_vl")
+    tokenizer, processor = load_processor(path)
+    encoder = TurnEncoder(data_config(256), tokenizer, processor, AutoConfig.from_pretrained(path))
+    text = "<|vision_start|><|image_pad|><|vision_end|>red"
+    encoder.new_call()
+    _, _, (first,) = encoder.encode(text, [Image.new("RGB", (70, 50), "red")])
+    _, _, (again,) = encoder.encode(text, [Image.new("RGB", (70, 50), "red")])  # a new object, same pixels
+    _, _, (other,) = encoder.encode(text, [Image.new("RGB", (70, 50), "blue")])
+    assert again is first and other is not first
+    assert first.size == other.size and first.tobytes() != other.tobytes()
+    encoder.new_call()
+    _, _, (next_call,) = encoder.encode(text, [Image.new("RGB", (70, 50), "red")])
+    assert next_call is not first and next_call.tobytes() == first.tobytes()

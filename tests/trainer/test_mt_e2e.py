@@ -63,6 +63,10 @@ def test_multi_turn_demo_runs(tmp_path: Path) -> None:
     assert 0 < last["multi_turn/tool_call_rate"] <= 1
     assert last["multi_turn/turns_mean"] > 1
     assert "val_multi_turn/tool_calls_mean" in last and "val/overall" in last
+    # the demo's reward reads the trajectory: accuracy of the final answer and whether a call ran
+    # (a call that ran is a call: at most the share of samples that attempted one)
+    assert 0 <= last["reward/accuracy"] <= 1
+    assert 0 <= last["reward/called"] <= last["multi_turn/tool_call_rate"]
     # engine and actor score the same tokens of the same trajectories (fp32 engine). This also checks
     # the masks: the engine's log-prob of a tool-turn token is 0, the actor's is not, so a tool token
     # inside response_mask would show here as a difference of several nats.

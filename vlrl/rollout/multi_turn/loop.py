@@ -146,6 +146,7 @@ class MultiTurnRollout:
 
     def _start(self, prompts: PromptBatch, n: int, max_tokens: int | None) -> list[Trajectory]:
         self._limit = max_tokens or self.max_response_length
+        self.encoder.new_call()
         return [
             Trajectory(
                 prompt_row=i // n,

@@ -10,6 +10,7 @@ that render tool messages as user turns with `<tool_response>` (Qwen3) work the 
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -77,12 +78,27 @@ class TurnRenderer:
 
 class TurnEncoder:
     """Rendered turns to token ids, and positions of whole sequences, with the data pipeline's rules
-    (pixel bounds, image token counts, mrope), so tool images are treated like prompt images."""
+    (pixel bounds, image token counts, mrope), so tool images are treated like prompt images.
+
+    Tool images with the same pixels within one call (`new_call` to the next) come back as one
+    object: a tool answering a GRPO group's n samples alike (the demo's `reveal`) then gives them
+    shared images, as their prompt images are, and the actor's vision cache (keyed by image object)
+    processes and encodes each once per pass instead of n times."""
 
     def __init__(self, data_config: Any, tokenizer: Any, processor: Any | None, hf_config: Any) -> None:
         self.tokenizer = tokenizer
         self.preparer = RowPreparer(data_config, tokenizer, processor, hf_config)
         self.spec = self.preparer.spec
+        self._images: dict[tuple[str, tuple[int, int], bytes], Any] = {}  # pixels -> this call's image
+
+    def new_call(self) -> None:
+        """Forget the images of the last call (they are shared within a call only)."""
+        self._images.clear()
+
+    def _shared(self, image: Any) -> Any:
+        """The image of this call with the same mode, size and pixels as `image` (first seen wins)."""
+        key = (image.mode, image.size, hashlib.blake2b(image.tobytes(), digest_size=16).digest())
+        return self._images.setdefault(key, image)
 
     def encode(self, text: str, images: list[Any]) -> tuple[list[int], list[int], list[Any]]:
         """(unexpanded ids for the engine, expanded ids for training, resized images) of one turn."""
@@ -91,7 +107,10 @@ class TurnEncoder:
             return raw, raw, []
         if self.spec is None:
             raise ValueError("a tool returned an image but the model is text-only")
-        resized = [resize_image(img, *self.preparer.target_size(img.height, img.width)) for img in images]
+        resized = [
+            self._shared(resize_image(img, *self.preparer.target_size(img.height, img.width)))
+            for img in images
+        ]
         counts = self.preparer.tokens_per_image([(img.height, img.width) for img in resized])
         return raw, expand_image_tokens(raw, self.spec.image_token_id, counts), resized
 
