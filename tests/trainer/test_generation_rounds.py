@@ -28,7 +28,10 @@ def _config(rollout: int, mini: int | None, filtering: bool, n: int = 2, key: st
             adv_estimator="grpo",
         ),
         trainer=SimpleNamespace(max_try_make_batch=20),
-        worker=SimpleNamespace(rollout=SimpleNamespace(n=n, seed=1, tensor_parallel_size=1)),
+        worker=SimpleNamespace(
+            rollout=SimpleNamespace(n=n, seed=1, tensor_parallel_size=1),
+            reward=SimpleNamespace(streaming=False),  # the stubs below generate, then score
+        ),
         world_size=1,
     )
 

@@ -7,7 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vlrl.protocol import FinishedGroups, RolloutBatch
 from vlrl.workers.rank_worker import RankWorker
+
+BATCH = RolloutBatch.__new__(RolloutBatch)  # stands for the shard's batch (only passed along)
+GROUPS = FinishedGroups(prompt_rows=[0], responses=[[7]])
 
 
 class _Recorder:
@@ -21,7 +25,7 @@ class _Recorder:
             self.calls.append(f"{self.name}.{method}")
             if method == self.fail_on:
                 raise RuntimeError("engine failed")
-            return "batch" if method == "generate" else None
+            return iter([GROUPS, BATCH]) if method == "generate_stream" else None
 
         return record
 
@@ -38,15 +42,23 @@ def _worker(calls: list[str], device: str, fail_on: str | None = None) -> RankWo
 def test_actor_offloads_before_the_engine_wakes_and_returns_after(monkeypatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    assert _worker(calls, "cuda").generate(prompts=SimpleNamespace(images=[])) == "batch"
+    assert _worker(calls, "cuda").generate(prompts=SimpleNamespace(images=[])) is BATCH
     assert calls == [
         "actor.offload_to_cpu",
         "empty_cache",
         "rollout.wake_up",
-        "rollout.generate",
+        "rollout.generate_stream",
         "rollout.sleep",
         "actor.load_to_device",
     ]
+
+
+def test_streamed_groups_pass_while_the_actor_is_away_and_the_batch_comes_last() -> None:
+    calls: list[str] = []
+    stream = _worker(calls, "cpu").generate_stream(prompts=SimpleNamespace(images=[]))
+    assert next(stream) is GROUPS
+    assert calls[-1] == "rollout.generate_stream"  # the actor is still offloaded
+    assert list(stream) == [BATCH] and calls[-1] == "actor.load_to_device"
 
 
 def test_no_cuda_cache_release_on_cpu(monkeypatch) -> None:
@@ -59,7 +71,7 @@ def test_no_cuda_cache_release_on_cpu(monkeypatch) -> None:
 def test_actor_comes_back_when_generation_fails() -> None:
     calls: list[str] = []
     with pytest.raises(RuntimeError, match="engine failed"):
-        _worker(calls, "cpu", fail_on="generate").generate(prompts=SimpleNamespace(images=[]))
+        _worker(calls, "cpu", fail_on="generate_stream").generate(prompts=SimpleNamespace(images=[]))
     assert calls[-1] == "actor.load_to_device"
 
 
