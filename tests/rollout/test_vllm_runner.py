@@ -172,6 +172,36 @@ def test_llm_kwargs_for_gpu_layouts():
     assert "limit_mm_per_prompt" not in cpu
 
 
+def test_device_normalization_only_when_videos_normalise_like_images(tiny_model):
+    """vLLM 0.32 normalises video pixels on the device with the image processor's mean/std: fine
+    when the video processor's agree (Qwen2/2.5-VL, and real Qwen3-VL folders: 0.5/0.5 for both),
+    turned off otherwise (the tiny Qwen3-VL: CLIP values for images, 0.5/0.5 for videos)."""
+    from vlrl.models.processor import load_processor
+
+    assert vllm_hooks.device_normalization_ok(load_processor(tiny_model("qwen2_5_vl"))[1])
+    assert not vllm_hooks.device_normalization_ok(load_processor(tiny_model("qwen3_vl"))[1])
+    half = dict(
+        do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )
+    same = SimpleNamespace(image_processor=SimpleNamespace(**half), video_processor=SimpleNamespace(**half))
+    assert vllm_hooks.device_normalization_ok(same)
+    off = SimpleNamespace(**{**half, "do_normalize": False})
+    assert not vllm_hooks.device_normalization_ok(
+        SimpleNamespace(image_processor=same.image_processor, video_processor=off)
+    )
+    assert vllm_hooks.device_normalization_ok(SimpleNamespace(image_processor=off, video_processor=off))
+    no_videos = SimpleNamespace(image_processor=same.image_processor)
+    assert vllm_hooks.device_normalization_ok(no_videos)
+
+    def kwargs(**extra):
+        return llm_kwargs(rollout_config(), model_path="/m", tokenizer_path="/m", max_model_len=512, seed=1,
+                          limit_images=1, limit_videos=1, banned_token_ids=BANNED, on_gpu=False, visible_gpus=0,
+                          use_v2_runner=False, **extra)  # fmt: skip
+
+    assert "mm_device_do_normalize" not in kwargs()  # vLLM's default (on)
+    assert kwargs(device_normalize=False)["mm_device_do_normalize"] is False
+
+
 class _Rope(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -84,12 +84,15 @@ def llm_kwargs(
     visible_gpus: int,
     use_v2_runner: bool,
     kv_cache_bytes: int | None = None,
+    device_normalize: bool = True,
 ) -> dict[str, Any]:
     """The `vllm.LLM(...)` arguments for one rank (pure: tested without building an engine).
 
     limit_images: images per prompt, None for a text model; limit_videos: videos per prompt. visible_gpus: GPUs this process sees
     (`torch.cuda.device_count()`; 1 under Ray). use_v2_runner: `vllm_hooks.uses_v2_runner()`.
     kv_cache_bytes: CPU only, the explicit KV-cache size (`vllm_hooks.cpu_kv_cache_bytes`).
+    device_normalize: False turns off vLLM's on-device pixel normalisation, which would normalise
+    videos with the image processor's mean/std (`vllm_hooks.device_normalization_ok`).
     """
     c = config
     kwargs: dict[str, Any] = dict(
@@ -113,6 +116,8 @@ def llm_kwargs(
     )
     if limit_images is not None:
         kwargs["limit_mm_per_prompt"] = {"image": limit_images, "video": limit_videos}
+        if not device_normalize:
+            kwargs["mm_device_do_normalize"] = False
     if c.enable_sleep_mode and on_gpu:  # vLLM refuses sleep mode on CPU
         kwargs["enable_sleep_mode"] = True
     if on_gpu and not vllm_hooks.custom_all_reduce_usable(c.tensor_parallel_size, visible_gpus):
@@ -169,6 +174,9 @@ class VLLMRolloutEngine(RolloutEngine):
             self.limit_images += mt.max_assistant_turns * mt.max_tool_images if self.is_vision else 0
             self.multi_turn = MultiTurnRollout(mt, data_config, tokenizer, processor, self.hf_config,
                                                self.eos_token_ids, self.pad_token_id, self.max_model_len)  # fmt: skip
+        # vLLM would normalise video pixels with the image processor's mean/std: refuse that when
+        # the video processor's differ (vllm_hooks.device_normalization_ok).
+        self.device_normalize = not self.limit_videos or vllm_hooks.device_normalization_ok(processor)
         self._check_limits()
         self.llm = self._build_llm(model_path, tokenizer)
         self.has_weights = False
@@ -223,6 +231,7 @@ class VLLMRolloutEngine(RolloutEngine):
             visible_gpus=torch.cuda.device_count() if self.on_gpu else 0,
             use_v2_runner=self.use_v2,
             kv_cache_bytes=kv_cache_bytes,
+            device_normalize=self.device_normalize,
         )
         # Pin the runner the processor class was built for (vLLM reads this in `LLM()`).
         os.environ[vllm_hooks.V2_RUNNER_ENV] = "1" if self.use_v2 else "0"

@@ -31,6 +31,9 @@ Why these exist (read from the installed vllm, 0.32.0):
 - The layerwise reload warns "<Layer>: Failed to load weights" for layers that only hold buffers
   no checkpoint contains (rotary caches, image mean/std) at every sync; `reload_on_worker` drops
   exactly those warnings (`buffer_only_layers`).
+- Pixel normalisation on the device: for Qwen2/2.5/3-VL vLLM 0.32 hands raw uint8 pixels to the
+  model by default (`mm_device_do_normalize`) and normalises them in the vision tower with the
+  *image* processor's mean/std, for videos too (`device_normalization_ok`).
 - Log lines repeated per prompt or per step, each forwarded by Ray to the driver, that
   `silence_repeated_logs` drops (only these messages): vLLM's CPU worker replaces
   `torch.set_num_threads` with a function that logs a warning, and the multimodal renderer sets
@@ -43,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -215,6 +219,45 @@ def custom_all_reduce_usable(tensor_parallel_size: int, visible_gpus: int) -> bo
     needs CUDA IPC between the peers' devices. NCCL (`PyNcclCommunicator`) does the all-reduce then.
     """
     return tensor_parallel_size <= 1 or visible_gpus >= tensor_parallel_size
+
+
+def _pixel_affine(processor: Any) -> list[tuple[float, float]]:
+    """Per channel (scale, shift) that `processor` applies to raw 0..255 pixels:
+    `x * rescale_factor` (if do_rescale), then `(x - mean) / std` (if do_normalize)."""
+    rescale = float(processor.rescale_factor) if getattr(processor, "do_rescale", True) else 1.0
+    mean, std = processor.image_mean, processor.image_std
+    if not getattr(processor, "do_normalize", True) or mean is None or std is None:
+        return [(rescale, 0.0)] * 3
+    mean = [mean] * 3 if isinstance(mean, (int, float)) else list(mean)
+    std = [std] * 3 if isinstance(std, (int, float)) else list(std)
+    return [(rescale / float(s), -float(m) / float(s)) for m, s in zip(mean, std)]
+
+
+def device_normalization_ok(processor: Any) -> bool:
+    """Whether vLLM may normalise this model's video pixels on the device (its Qwen-VL default).
+
+    vLLM 0.32 (`mm_device_do_normalize`, default on for Qwen2/2.5/3-VL): the multimodal processor
+    forces `do_rescale=do_normalize=False` for every modality (vllm/config/multimodal.py,
+    `MultiModalConfig.merge_mm_processor_kwargs`), and the vision tower's one `input_norm` module
+    normalises images *and* videos (vllm/model_executor/models/qwen3_vl.py,
+    `Qwen3_VisionTransformer.forward`) with mean/std read from the **image** processor's config
+    only (vllm/model_executor/layers/fusion/mm_input_norm.py, `_load_norm_params`).
+    transformers normalises videos with the video processor's own values
+    (transformers/models/qwen3_vl/video_processing_qwen3_vl.py, `Qwen3VLVideoProcessor._preprocess`
+    -> `rescale_and_normalize`), and the actor trains on those. When they differ (e.g. a Qwen3-VL
+    folder whose image processor keeps the CLIP mean/std while `Qwen3VLVideoProcessor` has 0.5/0.5),
+    vLLM's video pixels are off (by up to ~1.1 after normalisation) and its log-probs differ from the
+    actor's; the engine then turns device normalisation off (`mm_device_do_normalize=False`), so the
+    processors normalise each modality with its own values, as transformers does.
+    """
+    image, video = getattr(processor, "image_processor", None), getattr(processor, "video_processor", None)
+    if image is None or video is None:
+        return True
+    return all(
+        math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-7)
+        for pair_image, pair_video in zip(_pixel_affine(image), _pixel_affine(video))
+        for a, b in zip(pair_image, pair_video)
+    )
 
 
 def reload_on_worker(
