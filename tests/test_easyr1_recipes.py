@@ -97,6 +97,23 @@ def test_easyr1_meanings_survive_loading(easyr1_folder: list[str]) -> None:
     assert load("qwen2_5_vl_32b_geo3k_grpo.sh").worker.actor.fsdp.torch_dtype == "bf16"
 
 
+def test_easyr1_long_context_and_video_meanings(easyr1_folder: list[str]) -> None:
+    """The 14B DAPO command's sequence parallelism and long responses, and EasyR1's video keys
+    (set in its config.yaml), keep EasyR1's meaning after loading."""
+    dapo = load_config(COMMANDS["qwen3_14b_dapo17k_dapo.sh"] + easyr1_folder)
+    actor = dapo.worker.actor
+    assert actor.ulysses_size == 8 and actor.padding_free and dapo.worker.ref.padding_free
+    # 8 GPUs in one sequence-parallel group: a single data-parallel group, as in EasyR1
+    assert (dapo.world_size, dapo.train_world_size, dapo.dp_size) == (8, 8, 1)
+    assert dapo.data.max_response_length == 20480 and dapo.data.max_prompt_length == 2048
+    assert dapo.worker.rollout.max_model_len == 2048 + 20480  # derived, as EasyR1 derives it
+    assert dapo.samples_per_minibatch_per_rank == 32 * 16  # the whole mini-batch on the one group
+    # EasyR1 has no video-specific frame or pixel keys: frames are sized by min/max_pixels
+    data = dapo.data
+    assert (data.video_key, data.video_fps, data.image_key) == ("videos", 2.0, "images")
+    assert (data.min_pixels, data.max_pixels) == (262144, 4194304)
+
+
 def test_print_config_in_a_real_process(easyr1_folder: list[str], tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     args = COMMANDS["qwen2_5_vl_7b_geo3k_grpo.sh"] + easyr1_folder + ["print_config=true"]
