@@ -93,3 +93,25 @@ def test_video_fps_must_be_positive():
     config = PPOConfig()
     config.data.video_fps = 0.0
     assert any("data.video_fps=0.0 must be > 0" in e for e in check_config(config))
+
+
+def test_video_key_and_fps_pick_the_column_and_the_frame_count(tokenizer_processor, make_config, tmp_path):
+    """A non-default `data.video_key` reads its own column (the default column holds a file that does
+    not exist, so reading it would fail), and `data.video_fps` sets how many frames are sampled."""
+    import json
+
+    from vlrl.data.synthetic import make_moving_square_dataset
+
+    tokenizer, processor = tokenizer_processor("qwen2_5_vl")
+    train, _ = make_moving_square_dataset(tmp_path, n_train=1, n_val=0, frames=16, fps=4)  # 4 s
+    row = json.loads(train.read_text())
+    row["clips"], row["videos"] = row["videos"], ["no_such_video.mp4"]
+    path = write_jsonl(tmp_path / "renamed.jsonl", [row])
+    with pytest.raises(DataError, match="no_such_video.mp4 does not exist"):
+        RLDataset(path, make_config(), tokenizer, processor)  # the default key reads the decoy
+    for video_fps, frames, indices in ((1.0, 4, [0, 5, 10, 15]), (2.0, 8, None), (4.0, 16, list(range(16)))):
+        sample = RLDataset(path, make_config(video_key="clips", video_fps=video_fps), tokenizer, processor)[0]
+        (video,) = sample.videos
+        assert len(video.frames) == frames and video.sample_fps == video_fps
+        assert indices is None or video.frame_indices == indices
+        assert sample.video_grid_thw[0, 0].item() == frames // 2  # temporal patches of 2 frames
