@@ -51,3 +51,18 @@ def write_video(path: Path, colours: list[str], size: tuple[int, int] = (56, 56)
             container.mux(stream.encode(frame))
         container.mux(stream.encode())
     return str(path)
+
+
+def write_empty_video(path: Path) -> str:
+    """Write a video file whose one video stream holds no frames, and return its path as str.
+
+    AVI keeps the empty stream in its header (MP4 drops an empty track: it reads as no stream)."""
+    import av
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.width, stream.height = 56, 56
+        stream.pix_fmt = "yuv420p"
+        container.start_encoding()  # writes the header with the stream, and no packet follows
+    return str(path)

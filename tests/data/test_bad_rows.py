@@ -6,7 +6,7 @@ import logging
 import re
 
 import pytest
-from data_helpers import write_jsonl, write_png
+from data_helpers import write_empty_video, write_jsonl, write_png, write_video
 
 from vlrl.data import DataError, RLDataset
 
@@ -60,6 +60,26 @@ CASES = {
         "video",
         "video {dir}/ok.png has 1 frame(s); a video needs at least 2",
     ),
+    "video_not_readable": (
+        {"problem": "<video>x", "answer": "a", "videos": ["junk.mp4"]},
+        "video",
+        "video {dir}/junk.mp4 is not a readable video",
+    ),
+    "video_of_zero_frames": (
+        {"problem": "<video>x", "answer": "a", "videos": ["zero.avi"]},
+        "video",
+        "video {dir}/zero.avi has 0 frame(s); a video needs at least 2",
+    ),
+    "video_mp4_without_frames": (
+        {"problem": "<video>x", "answer": "a", "videos": ["zero.mp4"]},
+        "video",
+        "video {dir}/zero.mp4 has no video stream",
+    ),
+    "video_empty_frame_list": (
+        {"problem": "<video>x", "answer": "a", "videos": [[]]},
+        "video",
+        "video is an empty list of frames",
+    ),
     "placeholder_in_text": (
         {"problem": "<|image_pad|> sneaky", "answer": "a"},
         "placeholder_in_text",
@@ -76,6 +96,9 @@ def qwen(tokenizer_processor):
 def _file(tmp_path, bad: dict) -> str:
     write_png(tmp_path / "ok.png")
     (tmp_path / "notes.png").write_text("this is not a png")
+    (tmp_path / "junk.mp4").write_bytes(b"\x00" * 100)  # FFmpeg would read a text file as one frame
+    write_empty_video(tmp_path / "zero.avi")
+    write_empty_video(tmp_path / "zero.mp4")
     return write_jsonl(tmp_path / "data.jsonl", [GOOD, bad, GOOD])
 
 
@@ -134,3 +157,28 @@ def test_template_errors_are_fatal_even_when_skipping(qwen, make_config, tmp_pat
         DataError, match=r"data.jsonl row 0: format_prompt .*evil.jinja' failed at line 1 \(SecurityError\)"
     ):
         RLDataset(path, make_config(skip_bad_rows=True, format_prompt=str(tmp_path / "evil.jinja")), *qwen)
+
+
+def test_video_over_max_prompt_length_is_found_at_start_up(qwen, make_config, tmp_path):
+    """A video whose tokens push the prompt past data.max_prompt_length: an error naming the file
+    and row (filter_overlong_prompts=false), or filtered and counted; the text alone fits."""
+    write_video(tmp_path / "v.mp4", ["red", "green"] * 4)  # 8 frames at 4 fps: 4 frames sampled
+    text = {"problem": "x", "answer": "b"}
+    path = write_jsonl(
+        tmp_path / "data.jsonl", [text, {**text, "problem": "<video>x", "videos": ["v.mp4"]}, text]
+    )
+    roomy = RLDataset(path, make_config(max_prompt_length=999), *qwen)
+    with_video, text_only = len(roomy[1].input_ids), len(roomy[2].input_ids)
+    limit = with_video - 1
+    assert text_only + 1 < limit  # the video's tokens (not its one marker) are what overflow
+    with pytest.raises(
+        DataError,
+        match=re.escape(f"{path} row 1: prompt is {with_video} tokens (images and videos expanded), "
+                        f"longer than data.max_prompt_length={limit}"),
+    ) as info:  # fmt: skip
+        RLDataset(path, make_config(max_prompt_length=limit, filter_overlong_prompts=False), *qwen)
+    assert info.value.row == 1
+    filtered = RLDataset(path, make_config(max_prompt_length=limit), *qwen)
+    assert filtered.num_filtered_overlong == 1 and [filtered[i].uid for i in range(len(filtered))] == [0, 2]
+    # the start-up count of the video's tokens is exact: a limit equal to the length keeps the row
+    assert len(RLDataset(path, make_config(max_prompt_length=with_video), *qwen)) == 3
