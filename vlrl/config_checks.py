@@ -38,6 +38,35 @@ def check_config(config: PPOConfig) -> list[str]:
     return errors
 
 
+def check_data_media(config: PPOConfig, max_videos_per_prompt: int) -> list[str]:
+    """Rules that need the data: features that do not take videos yet, against the most videos one
+    prompt of the training or validation data holds. `TrainingData` calls this once the datasets
+    are built, before Ray and the ranks start; without it such a run would fail at its first
+    generation or first forward pass (the engine's and packing's own checks are backstops for
+    direct library use)."""
+    if max_videos_per_prompt < 1:
+        return []
+    rollout, size = config.worker.rollout, config.worker.actor.ulysses_size
+    key = f"data.video_key={config.data.video_key!r}"
+    has = f"the data has videos (up to {max_videos_per_prompt} per prompt, column {key})"
+    errors = []
+    if size > 1:
+        errors.append(
+            f"{has}, but worker.actor.ulysses_size={size}: sequence parallelism does not take videos yet; "
+            "set worker.actor.ulysses_size=1 or drop the videos"
+        )
+    if rollout.multi_turn.enable:
+        errors.append(
+            f"{has}, but worker.rollout.multi_turn.enable=true: multi-turn rollouts do not take videos yet; "
+            "turn multi_turn off or drop the videos"
+        )
+    if rollout.name != "vllm":
+        errors.append(
+            f"{has}, which only the vLLM engine takes: set worker.rollout.name=vllm (not {rollout.name!r})"
+        )
+    return errors
+
+
 def _check_lora(config: PPOConfig) -> list[str]:
     lora = config.worker.actor.model.lora
     key = "worker.actor.model.lora"

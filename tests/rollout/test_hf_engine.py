@@ -86,3 +86,12 @@ def test_text_model(tiny_model):
     prompts = prompt_batch(path)
     batch = engine.generate(prompts, {"seed": 0, "max_tokens": 5})
     assert batch.responses.shape[1] <= 5 and batch.position_ids.dim() == 2 and len(batch) == 9
+
+
+def test_hf_engine_refuses_videos():
+    """The backstop for direct use (the trainer refuses this at data set-up, tests/trainer/test_data_setup.py):
+    refused before any model is loaded."""
+    with pytest.raises(ValueError, match="only the vLLM engine takes: set worker.rollout.name=vllm"):
+        create_rollout_engine(
+            rollout_config(name="hf"), data_config(), "/no/model", None, None, limit_videos=1
+        )

@@ -174,6 +174,7 @@ def build_packed_inputs(
     )
     if sp is not None:
         ids, pos, lengths = _pad_row(ids, pos, lengths, sp.size, pad_token_id)
+        # a backstop for direct use: the trainer refuses videos with SP at start-up (check_data_media)
         if "pixel_values_videos" in vision:
             raise ValueError("sequence parallelism (worker.actor.ulysses_size > 1) does not take videos yet")
         if vision:

@@ -74,7 +74,7 @@ def create_rollout_engine(
     if config.name == "hf":
         from vlrl.rollout.hf_engine import HFRolloutEngine
 
-        if limit_videos:
+        if limit_videos:  # the trainer refuses this before the ranks start (check_data_media)
             raise ValueError(
                 "the data has videos, which only the vLLM engine takes: set worker.rollout.name=vllm"
             )

@@ -292,6 +292,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _check_videos(self, prompts: PromptBatch) -> None:
         has_videos = any(prompts.videos or [])
+        # backstop for direct use: the trainer refuses videos with multi-turn at start-up (check_data_media)
         if has_videos and self.multi_turn is not None:
             raise ValueError(
                 "multi-turn rollouts do not take videos yet; drop the videos or multi_turn.enable"

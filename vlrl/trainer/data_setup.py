@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlrl.config import PPOConfig
+from vlrl.config import ConfigError, PPOConfig
 from vlrl.protocol import PromptBatch
 
 
@@ -12,6 +12,7 @@ class TrainingData:
     def __init__(self, config: PPOConfig) -> None:
         from transformers import AutoConfig
 
+        from vlrl.config_checks import check_data_media
         from vlrl.data import create_dataloaders
         from vlrl.models.processor import load_processor
 
@@ -30,6 +31,10 @@ class TrainingData:
         self.max_videos_per_prompt = max(
             _max_markers(ld.dataset, config.data.prompt_key, kind=1) for ld in loaders
         )
+        # what the rows hold decides some rules: checked here, before Ray and the ranks start
+        errors = check_data_media(config, self.max_videos_per_prompt)
+        if errors:
+            raise ConfigError("the data does not fit the config:\n  - " + "\n  - ".join(errors))
         self._batches = iter(self.train_loader)
 
     @property
