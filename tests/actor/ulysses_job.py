@@ -1,9 +1,12 @@
-"""What each of the 2 spawned gloo ranks runs for tests/actor/test_ulysses.py.
+"""What each of the spawned gloo ranks runs for tests/actor/test_ulysses.py.
 
-The same batch goes through an actor with ulysses_size=1 (the 2 ranks split the rows) and one
-with ulysses_size=2 (both ranks get all rows and split every packed micro-batch by tokens).
-Log-probs, every parameter's gradient, an update's metrics and weights, and the reference's
-log-probs must agree. Rank 0 stores the differences (plain numbers) for the test.
+`run` (2 ranks): the same batch goes through an actor with ulysses_size=1 (the 2 ranks split the
+rows) and one with ulysses_size=2 (both ranks get all rows and split every packed micro-batch by
+tokens). `run_dp_sp` (4 ranks): ulysses_size=1 (4 ranks, 4 row shares) against ulysses_size=2 with
+2 data-parallel groups (ranks 0-1 and 2-3, each a half of the rows), so the groups, their
+collectives and the loss normalisation are checked with dp and sp both above 1. Log-probs, every
+parameter's gradient, an update's metrics and weights, and the reference's log-probs must agree.
+Rank 0 stores the differences (plain numbers) for the test.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from vlrl.workers.reference import Reference
 from vlrl.workers.vision import VisionCache
 
 TEMPERATURE = 0.9
-SPLIT = ([0, 3, 4, 7], [1, 2, 5, 6])  # rows per rank with ulysses_size=1
+SPLIT = ([0, 3, 4, 7], [1, 2, 5, 6])  # rows per rank with ulysses_size=1 (per group at world 4, sp 2)
+SPLIT4 = ([0, 3], [4, 7], [1, 2], [5, 6])  # rows per rank with ulysses_size=1 at world 4
 # (loss_avg_mode, policy_loss, dynamic batching): gspo's ratio is per sequence, and a sequence's
 # tokens lie on both ranks, so it needs the gathered log-probs
 VARIANTS = (("token", "ppo", False), ("seq-mean-token-sum", "ppo", False), ("seq", "gspo", False),
@@ -61,20 +65,30 @@ def gather_rows(rank_rows: list[int], values: torch.Tensor, n: int) -> torch.Ten
     return out
 
 
-def ulysses_config(model_dir: str, sp: int, checkpointing: bool = False):
+def ulysses_config(model_dir: str, sp: int, checkpointing: bool = False, world: int = 2):
     return make_config(
-        model_dir, 2, worker__rollout__temperature=TEMPERATURE, algorithm__use_kl_loss=True,
+        model_dir, world, worker__rollout__temperature=TEMPERATURE, algorithm__use_kl_loss=True,
         algorithm__kl_penalty="low_var_kl", algorithm__kl_coef=0.1, worker__actor__ulysses_size=sp,
         worker__actor__max_token_len_per_device=60, worker__actor__entropy_coeff=0.01,
         worker__actor__model__enable_gradient_checkpointing=checkpointing,
     )  # fmt: skip
 
 
-def run_actor(model_dir: str, processor, batch: RolloutBatch, sp: int, rank: int) -> dict[str, Any]:
+def rank_rows(rank: int, world: int, sp: int, n: int) -> list[int]:
+    """The rows a rank holds: its own share with sp 1; its group's share (the same on the group's
+    ranks) with sp 2: all rows at world 2, half of them at world 4."""
+    if world == 2:
+        return SPLIT[rank] if sp == 1 else list(range(n))
+    return SPLIT4[rank] if sp == 1 else SPLIT[rank // sp]
+
+
+def run_actor(
+    model_dir: str, processor, batch: RolloutBatch, sp: int, rank: int, world: int = 2
+) -> dict[str, Any]:
     """Log-probs, gradients per variant, one update's metrics and weights for ulysses_size=sp."""
-    config = ulysses_config(model_dir, sp)
+    config = ulysses_config(model_dir, sp, world=world)
     actor = build_actor(config, processor, "cpu", model_path=model_dir)
-    rows = SPLIT[rank] if sp == 1 else list(range(len(batch)))
+    rows = rank_rows(rank, world, sp, len(batch))
     mine = batch.select(rows)
     out: dict[str, Any] = {
         "log_probs": gather_rows(rows, actor.compute_log_probs(mine, TEMPERATURE), len(batch))
@@ -181,22 +195,44 @@ def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
         results["empty_grad_max"] = checkpointed["empty_grad_max"]
         results["empty_grad_count"] = checkpointed["empty_grad_count"]
         results["num_params"] = checkpointed["num_params"]
-        mask = batch.response_mask.bool()
-        results["log_prob_err"] = float((one["log_probs"] - two["log_probs"])[mask].abs().max())
-        results["ref_log_prob_err"] = float((one["ref_log_probs"] - two["ref_log_probs"])[mask].abs().max())
-        results["ref_vs_actor_err"] = float((two["ref_log_probs"] - one["log_probs"])[mask].abs().max())
-        for key in one:
-            if key.startswith("grads/"):
-                ref = one[key]
-                scale = max(float(g.abs().max()) for g in ref.values())
-                results[f"grad_keys_match/{key}"] = set(ref) == set(two[key])
-                results[f"grad_err/{key}"] = max_diff(two[key], ref, ref.keys()) / scale
-        results["metrics"] = (one["metrics"], two["metrics"])
-        results["weights_err"] = max_diff(two["weights"], one["weights"])
-        results["weights_moved"] = max_diff(two["weights"], full_params_initial(model_dir))
+        compare(batch, one, two, model_dir, results)
     finally:
         dist.destroy_process_group()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_dp_sp(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    """World 4: dp 4 x sp 1 against dp 2 x sp 2 on the same batch."""
+    init_gloo(rank, world, port)
+    results: dict[str, Any] = {}
+    try:
+        _, processor = load_processor(model_dir)
+        batch = training_batch(model_dir)
+        one = run_actor(model_dir, processor, batch, 1, rank, world=world)
+        two = run_actor(model_dir, processor, batch, 2, rank, world=world)
+        compare(batch, one, two, model_dir, results)
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def compare(
+    batch: RolloutBatch, one: dict[str, Any], two: dict[str, Any], model_dir: str, results: dict
+) -> None:
+    """The differences between the ulysses_size=1 run `one` and the ulysses_size=2 run `two`."""
+    mask = batch.response_mask.bool()
+    results["log_prob_err"] = float((one["log_probs"] - two["log_probs"])[mask].abs().max())
+    results["ref_log_prob_err"] = float((one["ref_log_probs"] - two["ref_log_probs"])[mask].abs().max())
+    results["ref_vs_actor_err"] = float((two["ref_log_probs"] - one["log_probs"])[mask].abs().max())
+    for key in one:
+        if key.startswith("grads/"):
+            ref = one[key]
+            scale = max(float(g.abs().max()) for g in ref.values())
+            results[f"grad_keys_match/{key}"] = set(ref) == set(two[key])
+            results[f"grad_err/{key}"] = max_diff(two[key], ref, ref.keys()) / scale
+    results["metrics"] = (one["metrics"], two["metrics"])
+    results["weights_err"] = max_diff(two["weights"], one["weights"])
+    results["weights_moved"] = max_diff(two["weights"], full_params_initial(model_dir))
 
 
 def full_params_initial(model_dir: str) -> dict[str, torch.Tensor]:
