@@ -9,15 +9,19 @@ Cases (both on the demo's prompts and `reveal` tool, fp32, one rank):
   before its call and again before its answer, so turns are ~64+ sampled tokens of varying length,
   as when a model reasons before acting.
 
-Per case, interleaved in one engine: each of `--repeats` repetitions runs the three modes back to back
-and prints its tokens/s and ratios to its own single-turn run; the summary gives the median tokens/s
-and the median ratio over the repetitions, with every repetition's ratio (a shared machine's load
-swings absolute rates several-fold between minutes; a repetition's three runs see about the same load):
+Per case, interleaved in one engine: each of `--repeats` repetitions runs the four modes below back to back
+and prints their tokens/s; the summary gives the median tokens/s, the median ratio to each
+single-turn run of the same repetition, with every repetition's ratio (a shared machine's load
+swings absolute rates several-fold between minutes; a repetition's four runs see about the same load):
 - per-turn: `engine.continuous_turns=False`, one `LLM.generate` call per turn (the old loop);
 - continuous: requests driven step by step, a sample's next turn queued as soon as its tool answered;
 - single-turn: the same prompts without tools, `ignore_eos`, `max_tokens` = the continuous call's mean
-  sampled tokens per trajectory, so all three sample about the same number of tokens.
-Reported: sampled tokens/s of each, the ratios to single-turn, and the share of each multi-turn wall
+  sampled tokens per trajectory, so all three sample about the same number of tokens;
+- matched: single-turn again, but trajectory i samples exactly as many tokens as it did in the
+  continuous call (`ignore_eos`, one request each): the same tokens with the same length spread,
+  without the tool turns. A fixed length has no tail of long samples, which real rollouts (single-
+  or multi-turn) have; the engine then runs far fewer steps, many of them nearly empty in the tail.
+Reported: sampled tokens/s of each, the ratios to both single-turn runs, and the share of each multi-turn wall
 time spent in tool calls (the pool's `call`, process round trips included).
 """
 
@@ -91,6 +95,54 @@ def timed(
     return wall, batch, tool_seconds[0] / wall
 
 
+def matched_single_turn(engine: Any, prompts: Any, lengths: list[int], seed: int) -> tuple[float, int]:
+    """(wall, tokens) of one single-turn generation where trajectory i samples exactly `lengths[i]`
+    tokens (`ignore_eos`, a request per trajectory): the multi-turn call's own length spread
+    without its tool turns. A fixed-length reference has no tail; this one has the same tail."""
+    import dataclasses
+
+    from vlrl.rollout.base import resolve_sampling, seeded_rng
+
+    n = len(lengths) // len(prompts)
+    settings = resolve_sampling(engine.config, engine.data_config.max_response_length, {"ignore_eos": True})
+    engine.llm.reset_prefix_cache()
+    engine.image_ids.clear()
+    requests = engine.requests(prompts)
+    inputs = [requests[i // n] for i in range(len(lengths))]
+    params = [
+        engine.sampling_params(dataclasses.replace(settings, n=1, max_tokens=max(1, int(k)))) for k in lengths
+    ]
+    start = time.perf_counter()
+    with seeded_rng(seed):
+        outputs = engine.llm.generate(inputs, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    return wall, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def summary_line(mode: str, runs: list[dict[str, tuple[float, int, float, Any]]]) -> str:
+    """Median tokens/s of `mode`, its median ratio to each single-turn reference (every repetition's
+    ratio in brackets) and, for the multi-turn modes, calls, tokens per turn and the tools' share."""
+
+    def rate(run: dict[str, tuple[float, int, float, Any]], m: str) -> float:
+        return run[m][1] / run[m][0]
+
+    line = f"{mode:<12} {statistics.median(rate(run, mode) for run in runs):8,.0f} tokens/s"
+    for ref in ("single-turn", "matched"):
+        ratios = [rate(run, mode) / rate(run, ref) for run in runs]
+        line += f"  {statistics.median(ratios):.2f}x {ref} ({' '.join(f'{x:.2f}' for x in ratios)})"
+    if mode in ("single-turn", "matched"):
+        return line
+    _, tokens, _, batch = runs[-1][mode]
+    infos = batch.trajectories
+    calls = sum(t["num_tool_calls"] for t in infos)
+    errors = sum(t["tool_errors"] for t in infos)
+    turn_tokens = tokens / max(1, sum(t["num_turns"] for t in infos))
+    share = statistics.median(run[mode][2] for run in runs)
+    return (
+        line + f"  calls {calls} ({errors} failed), {turn_tokens:.0f} tokens/turn, tools {100 * share:.1f}%"
+    )
+
+
 def run_case(name: str, args: argparse.Namespace) -> None:
     from transformers import AutoModelForImageTextToText
 
@@ -138,35 +190,20 @@ def run_case(name: str, args: argparse.Namespace) -> None:
         engine.multi_turn = saved
         # ignore_eos: every sample ran to max_tokens (its mask would stop at a sampled EOS)
         run["single-turn"] = (wall, len(single) * int(single.responses.shape[1]), 0.0, single)
+        lengths = run["continuous"][3].response_mask.sum(-1).tolist()  # each trajectory's sampled tokens
+        run["matched"] = (*matched_single_turn(engine, prompts, lengths, seed=r), 0.0, None)
         runs.append(run)
         rates = {mode: tokens / wall for mode, (wall, tokens, _, _) in run.items()}
         print(f"[{name} repetition {r + 1}] " + "  ".join(
-            f"{mode} {rate:,.0f} tok/s ({rate / rates['single-turn']:.2f}x)" for mode, rate in rates.items()
+            f"{mode} {rate:,.0f} tok/s" for mode, rate in rates.items()
         ))  # fmt: skip
     print(
         f"\n== {name}: {len(runs[0]['continuous'][3])} trajectories ({args.prompts} prompts x {args.n}), "
-        f"model {model_dir}, median of {len(runs)} repetitions"
+        f"model {model_dir}, median of {len(runs)} repetitions; ratios to the fixed-length and the "
+        "matched-lengths single-turn runs of the same repetition"
     )
     for mode in runs[0]:
-        rates = [run[mode][1] / run[mode][0] for run in runs]
-        ratios = [
-            run[mode][1] / run[mode][0] / (run["single-turn"][1] / run["single-turn"][0]) for run in runs
-        ]
-        line = (
-            f"{mode:<12} {statistics.median(rates):8,.0f} tokens/s  {statistics.median(ratios):.2f}x "
-            f"(per repetition: {' '.join(f'{x:.2f}' for x in ratios)})"
-        )
-        if mode != "single-turn":
-            wall, tokens, _, batch = runs[-1][mode]
-            infos = batch.trajectories
-            calls = sum(t["num_tool_calls"] for t in infos)
-            errors = sum(t["tool_errors"] for t in infos)
-            turn_tokens = tokens / max(1, sum(t["num_turns"] for t in infos))
-            share = statistics.median(run[mode][2] for run in runs)
-            line += (
-                f"  calls {calls} ({errors} failed), {turn_tokens:.0f} tokens/turn, tools {100 * share:.1f}%"
-            )
-        print(line)
+        print(summary_line(mode, runs))
     engine.close()
 
 

@@ -36,6 +36,7 @@ from vlrl.rollout.base import (
     seeded_rng,
 )
 from vlrl.rollout.output import assemble_rollout_batch
+from vlrl.rollout.vllm_inputs import ImageIds, vllm_request
 from vlrl.rollout.weight_sync import checkpoint_name, checkpoint_tensor
 
 VLLM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -165,6 +166,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.show_progress = self.rank == 0 and not config.disable_tqdm  # vLLM's per-call progress bar
         # V2 runner, calls without a seed: the engine's own stream of call seeds (TP peers agree).
         self._call_seeds = random.Random(config.seed + self.dp_rank)
+        self.image_ids = ImageIds()
         self.multi_turn = None
         mt = getattr(config, "multi_turn", None)
         if mt is not None and mt.enable:
@@ -274,21 +276,13 @@ class VLLMRolloutEngine(RolloutEngine):
         )
 
     def requests(self, prompts: PromptBatch) -> list[dict[str, Any]]:
-        """vLLM inputs: unexpanded ids (vLLM expands the image and video placeholders itself), PIL
-        images, and videos as (frames [T, H, W, 3], metadata) already sampled by the data pipeline."""
-        out = []
+        """vLLM inputs (`vllm_request`): unexpanded ids, PIL images with their content ids, and
+        videos as (frames [T, H, W, 3], metadata) already sampled by the data pipeline."""
         videos = prompts.videos or [[] for _ in range(len(prompts))]
-        for ids, images, clips in zip(prompts.raw_prompt_ids, prompts.images, videos):
-            request: dict[str, Any] = {"prompt_token_ids": list(ids)}
-            media: dict[str, Any] = {}
-            if images:
-                media["image"] = list(images)
-            if clips:
-                media["video"] = [clip.vllm_item() for clip in clips]
-            if media:
-                request["multi_modal_data"] = media
-            out.append(request)
-        return out
+        return [
+            vllm_request(ids, images, [clip.vllm_item() for clip in clips], self.image_ids)
+            for ids, images, clips in zip(prompts.raw_prompt_ids, prompts.images, videos)
+        ]
 
     def _check_videos(self, prompts: PromptBatch) -> None:
         has_videos = any(prompts.videos or [])
@@ -329,6 +323,7 @@ class VLLMRolloutEngine(RolloutEngine):
             return
         # An empty cache makes a call's scheduling, hence its sampling, a function of its inputs only.
         self.llm.reset_prefix_cache()
+        self.image_ids.clear()  # content ids live for one call (vllm_inputs.ImageIds)
         if self.multi_turn is not None:
             yield self._multi_turn(prompts, s)
             return
@@ -420,7 +415,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 dataclasses.replace(s, n=1, max_tokens=budget), request_seed, [mt.call_end_id]
             )
 
-        turns = VLLMTurns(self.llm, params_for, seed if self.use_v2 else None, s.logprobs)
+        turns = VLLMTurns(self.llm, params_for, seed if self.use_v2 else None, s.logprobs, self.image_ids)
         with seeded_rng(None if self.use_v2 else seed):  # V1: one torch stream for the whole call
             return mt.run_continuous(prompts, s.n, turns, s.max_tokens)
 
@@ -437,12 +432,7 @@ class VLLMRolloutEngine(RolloutEngine):
         Seeded like `_generate`, with the turn added to the call seed (each turn its own draws)."""
         import dataclasses
 
-        inputs = []
-        for ids, images in requests:
-            request: dict[str, Any] = {"prompt_token_ids": list(ids)}
-            if images:
-                request["multi_modal_data"] = {"image": list(images)}
-            inputs.append(request)
+        inputs = [vllm_request(ids, images, image_ids=self.image_ids) for ids, images in requests]
         stop = [call_end_id]
         call_seed = self.call_seed(s)
         if not self.use_v2:

@@ -21,6 +21,7 @@ from typing import Any
 
 from vlrl.rollout import vllm_hooks
 from vlrl.rollout.multi_turn.loop import EndedTurn, TurnRequest
+from vlrl.rollout.vllm_inputs import ImageIds, vllm_request
 
 TURN_SEED_STRIDE = 7919  # a turn's seed: call seed + stride x turn (as the per-turn loop)
 
@@ -34,10 +35,12 @@ class VLLMTurns:
         params_for: Callable[[int, int | None], Any],
         call_seed: int | None,
         logprobs: bool,
+        image_ids: ImageIds | None = None,
     ) -> None:
         """`params_for(budget, seed)`: `SamplingParams` of one turn (n=1, max_tokens=budget, the
-        end-of-call stop token); `call_seed`: per-request seeds from it, or None (V1: torch RNG)."""
-        self.llm, self.params_for = llm, params_for
+        end-of-call stop token); `call_seed`: per-request seeds from it, or None (V1: torch RNG);
+        `image_ids`: content ids sent with the images (vLLM then does not hash their pixels)."""
+        self.llm, self.params_for, self.image_ids = llm, params_for, image_ids
         self.call_seed, self.logprobs = call_seed, logprobs
         self._keys: dict[str, int] = {}  # vLLM request id -> sample key
 
@@ -51,10 +54,7 @@ class VLLMTurns:
             return
         inputs, params = [], []
         for key, ids, images, budget, turn in turns:
-            request: dict[str, Any] = {"prompt_token_ids": list(ids)}
-            if images:
-                request["multi_modal_data"] = {"image": list(images)}
-            inputs.append(request)
+            inputs.append(vllm_request(ids, images, image_ids=self.image_ids))
             params.append(self.params_for(budget, self._seed(key, turn)))
         # `enqueue` returns the engine's internal ids ("<id>-<8 random chars>", vLLM's
         # `InputProcessor.assign_request_id`); outputs carry the id before the suffix.
