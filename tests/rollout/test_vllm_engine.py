@@ -137,6 +137,25 @@ def test_seeds_repeat_and_differ(vl):
     assert any(not g[0].equal(g[1]) for g in group)  # the samples of one prompt differ
 
 
+def test_image_content_ids_sample_what_vllms_own_hashing_samples(vl, monkeypatch):
+    """Requests carry content ids for their images (vllm_inputs.ImageIds), so vLLM skips hashing the
+    pixels; its caches are keyed as before, so a call samples the same tokens with the same log-probs."""
+    from vlrl.rollout import vllm_engine, vllm_inputs
+
+    synced(vl)
+    with_ids = vl.engine.generate(vl.prompts, {"seed": 5})
+    assert vl.engine.requests(vl.prompts)[0]["multi_modal_uuids"]["image"][0].startswith("vlrl-")
+
+    def without_ids(ids, images=(), videos=(), image_ids=None):
+        return vllm_inputs.vllm_request(ids, images, videos)
+
+    monkeypatch.setattr(vllm_engine, "vllm_request", without_ids)
+    assert "multi_modal_uuids" not in vl.engine.requests(vl.prompts)[0]
+    hashed = vl.engine.generate(vl.prompts, {"seed": 5})
+    assert hashed.responses.equal(with_ids.responses)
+    assert hashed.rollout_log_probs.equal(with_ids.rollout_log_probs)
+
+
 def test_streamed_groups_are_the_batch_rows_and_generate_samples_the_same(vl):
     """`generate_stream` reports every group once, as it finishes, with the final batch's tokens;
     driving the engine step by step samples exactly what one `LLM.generate` call samples."""
