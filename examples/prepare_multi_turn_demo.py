@@ -60,6 +60,42 @@ def build_data(out: Path, n_train: int = 512, n_val: int = 64) -> None:
                                     "tools_kwargs": context}) + "\n")  # fmt: skip
 
 
+def warm_up_examples(
+    model_dir: Path,
+    train_file: Path,
+    call_share: float = 1.0,
+    filler: Callable[[random.Random], str] | None = None,
+) -> Callable[[random.Random], list[Segment]]:
+    """`rng -> example` for the warm-up: `call_share` of the examples call `reveal` first and read a
+    neutral result; the answers are unrelated colours. `filler(rng)`: text written before the call
+    and before the answer (the benchmark's long turns)."""
+    from vlrl.models.processor import load_processor
+    from vlrl.rollout.multi_turn.rendering import TurnRenderer
+
+    tokenizer, processor = load_processor(str(model_dir))
+    chat, fmt = ChatFormatter(tokenizer, processor), FormatPrompt(FORMAT)
+    renderer = TurnRenderer(tokenizer, processor.chat_template, True, 64)
+    rows = [json.loads(line) for line in train_file.read_text().splitlines()]
+    lead = filler or (lambda _: "")
+    # answers cycle through the colours: every batch of a multiple of 4 holds each equally often, so the
+    # warm-up leaves no colour preference (random draws left one: p(red) 0.16, and RL plateaued lower)
+    answers = itertools.cycle(sorted(COLOURS))
+
+    def example(rng: random.Random) -> list[Segment]:
+        row = rng.choice(rows)
+        prompt = Segment(
+            chat(fmt.render(row["problem"])), images=[Image.open(train_file.parent / row["images"][0])]
+        )
+        answer = Segment(lead(rng) + next(answers) + "<|im_end|>", trained=True)  # unrelated: form only
+        if rng.random() >= call_share:
+            return [prompt, answer]
+        # a neutral result: the prompt's own grey image and no text (see the module docstring)
+        tool = Segment(renderer.tool_turn("", 1), images=prompt.images)
+        return [prompt, Segment(lead(rng) + CALL, trained=True), tool, answer]
+
+    return example
+
+
 def warm_up(
     model_dir: Path,
     train_file: Path,
@@ -70,33 +106,9 @@ def warm_up(
     lr: float = 1e-3,
     seed: int = 0,
 ) -> dict[str, float]:
-    """Fit the form: `call_share` of the examples call `reveal` first; the answers are unrelated colours.
-    `filler(rng)`: text written before the call and before the answer (the benchmark's long turns)."""
-    from vlrl.models.processor import load_processor
-    from vlrl.rollout.multi_turn.rendering import TurnRenderer
-
-    tokenizer, processor = load_processor(str(model_dir))
-    chat, fmt = ChatFormatter(tokenizer, processor), FormatPrompt(FORMAT)
-    renderer = TurnRenderer(tokenizer, processor.chat_template, True, 64)
-    rows = [json.loads(line) for line in train_file.read_text().splitlines()]
-    # answers cycle through the colours: every batch of a multiple of 4 holds each equally often, so the
-    # warm-up leaves no colour preference (random draws left one: p(red) 0.16, and RL plateaued lower)
-    answers = itertools.cycle(sorted(COLOURS))
-
-    def example(rng: random.Random) -> list[Segment]:
-        row = rng.choice(rows)
-        prompt = Segment(
-            chat(fmt.render(row["problem"])), images=[Image.open(train_file.parent / row["images"][0])]
-        )
-        lead = filler or (lambda _: "")
-        answer = Segment(lead(rng) + next(answers) + "<|im_end|>", trained=True)  # unrelated: form only
-        if rng.random() >= call_share:
-            return [prompt, answer]
-        # a neutral result: the prompt's own grey image and no text (see the module docstring)
-        tool = Segment(renderer.tool_turn("", 1), images=prompt.images)
-        return [prompt, Segment(lead(rng) + CALL, trained=True), tool, answer]
-
-    return fit_segments(model_dir, example, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+    """Fit the form on `warm_up_examples` (see there) in place."""
+    examples = warm_up_examples(model_dir, train_file, call_share, filler)
+    return fit_segments(model_dir, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
 
 
 def main() -> None:
