@@ -4,32 +4,23 @@ turn shows the prompt's own grey image with no text (nothing about the colour)."
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from example_scripts import load_example
 
 from vlrl.data.synthetic import COLOURS
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _demo_module():
-    spec = importlib.util.spec_from_file_location(
-        "prepare_mt_demo", REPO / "examples" / "prepare_multi_turn_demo.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def demo_files(tmp_path_factory: pytest.TempPathFactory):
     from vlrl.models.tiny import build_tiny_model
 
-    demo, root = _demo_module(), tmp_path_factory.mktemp("mt_demo")
+    demo, root = load_example("prepare_multi_turn_demo"), tmp_path_factory.mktemp("mt_demo")
     demo.build_data(root, n_train=16, n_val=4)
     model = build_tiny_model(root / "model", "qwen2_5_vl", seed=0, min_pixels=demo.PIXELS,
                              max_pixels=demo.PIXELS, tool_tokens=True)  # fmt: skip

@@ -4,13 +4,12 @@ model in place of the hub one."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from example_scripts import load_example
 from PIL import Image
 
 from vlrl.config_loader import load_config
@@ -20,16 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 calculate = load_function(f"{REPO}/examples/tools/calculator.py:calculate", "tool")[0]
 
 
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", REPO / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gsm8k = script("prepare_gsm8k")
-zoom_data = script("prepare_zoom_data")
+gsm8k = load_example("prepare_gsm8k")
+zoom_data = load_example("prepare_zoom_data")
 
 
 def test_gsm8k_rows():

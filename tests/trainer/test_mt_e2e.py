@@ -3,7 +3,6 @@ rank): the demo's data and tool, a briefly warmed-up tiny model, two steps and a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,24 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from example_scripts import load_example
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _demo_module():
-    spec = importlib.util.spec_from_file_location(
-        "prepare_mt_demo", REPO / "examples" / "prepare_multi_turn_demo.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_multi_turn_demo_runs(tmp_path: Path) -> None:
     from vlrl.models.tiny import build_tiny_model
 
-    demo = _demo_module()
+    demo = load_example("prepare_multi_turn_demo")
     demo.build_data(tmp_path, n_train=32, n_val=8)
     model = build_tiny_model(tmp_path / "model", "qwen2_5_vl", seed=0, min_pixels=demo.PIXELS,
                              max_pixels=demo.PIXELS, tool_tokens=True)  # fmt: skip
