@@ -86,6 +86,7 @@ def main() -> None:
         max_response_length=args.tokens,
         min_pixels=28 * 28 * 4,
         max_pixels=28 * 28 * 36,
+        prompt_key="problem",
     )
     prompts, tokenizer, processor = make_prompts(model_dir, args.prompts, data)
     config = RolloutConfig(n=1, dtype=args.dtype, gpu_memory_utilization=0.2, max_num_seqs=args.prompts)
