@@ -128,6 +128,11 @@ def test_cpu_engine_runs_the_v1_runner(vl):
     assert vl.engine.llm.llm_engine.vllm_config.use_v2_model_runner is False
 
 
+def test_cpu_engine_takes_32_token_blocks(vl):
+    """vLLM accepts the CPU block size (its CPU attention wants multiples of 32) and keeps it."""
+    assert vl.engine.llm.llm_engine.vllm_config.cache_config.block_size == 32
+
+
 def test_seeds_repeat_and_differ(vl):
     synced(vl)
     first = vl.engine.generate(vl.prompts, {"seed": 5}).responses

@@ -160,7 +160,7 @@ def test_llm_kwargs_for_gpu_layouts():
     ray = gpu_kwargs(True, tp=2, visible_gpus=1, enable_sleep_mode=True)
     assert ray["disable_custom_all_reduce"] is True
     assert ray["enable_sleep_mode"] is True and ray["enforce_eager"] is False
-    assert "kv_cache_memory_bytes" not in ray
+    assert "kv_cache_memory_bytes" not in ray and "block_size" not in ray  # vLLM's GPU default
     assert issubclass(ray["logits_processors"][0], V2LogitsProcessor)
     assert "disable_custom_all_reduce" not in gpu_kwargs(True, tp=2, visible_gpus=8)
     assert "disable_custom_all_reduce" not in gpu_kwargs(True, tp=1, visible_gpus=1)
@@ -169,6 +169,7 @@ def test_llm_kwargs_for_gpu_layouts():
                      visible_gpus=0, use_v2_runner=False, kv_cache_bytes=123)  # fmt: skip
     assert "disable_custom_all_reduce" not in cpu and "enable_sleep_mode" not in cpu
     assert cpu["enforce_eager"] is True and cpu["kv_cache_memory_bytes"] == 123
+    assert cpu["block_size"] == vllm_hooks.CPU_BLOCK_SIZE == 32
     assert "limit_mm_per_prompt" not in cpu
 
 

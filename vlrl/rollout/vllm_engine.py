@@ -125,6 +125,8 @@ def llm_kwargs(
         # Each rank sees only its own GPU (Ray): vLLM's custom all-reduce would index
         # CUDA_VISIBLE_DEVICES by peer rank and fail; NCCL all-reduces instead.
         kwargs["disable_custom_all_reduce"] = True
+    if not on_gpu:
+        kwargs["block_size"] = vllm_hooks.CPU_BLOCK_SIZE
     if kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
     return kwargs

@@ -354,6 +354,15 @@ def dropped_reload_warnings(layer_names: set[str]) -> Iterator[None]:
         logger.removeFilter(drop)
 
 
+# KV-cache block size of CPU engines. vLLM 0.32's CPU attention takes multiples of 32
+# (`vllm/v1/attention/backends/cpu_attn.py::get_supported_kernel_block_sizes`) and defaults to 128
+# (`vllm/platforms/cpu.py`). Prefix caching shares whole blocks only: with 128, the n samples of a
+# prompt under 128 tokens share none of its KV, and each multi-turn turn (a new request: the previous
+# one's tokens + the tool turn) recomputes up to 127 tokens of its context. Measured in
+# benchmarks/bench_block_size.py (docs/rollout.md, CPU notes). GPU engines keep vLLM's default (16).
+CPU_BLOCK_SIZE = 32
+
+
 def cpu_kv_cache_bytes(
     hf_config: Any, dtype: torch.dtype, max_model_len: int, max_num_seqs: int, cap_bytes: int
 ) -> int:
@@ -367,6 +376,6 @@ def cpu_kv_cache_bytes(
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     per_token = 2 * int(text.num_hidden_layers) * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-    # + one 128-token block per sequence of slack for block rounding.
-    need = per_token * (max_model_len + 128) * max_num_seqs
+    # + one block per sequence of slack for block rounding.
+    need = per_token * (max_model_len + CPU_BLOCK_SIZE) * max_num_seqs
     return int(min(need, cap_bytes))
