@@ -1,13 +1,14 @@
 """Multi-turn rollout throughput (per-turn loop and continuous loop) vs single-turn generation.
 
     python examples/prepare_multi_turn_demo.py          # the warmed-up demo model and data
-    python benchmarks/bench_multi_turn.py [--prompts 64] [--n 4] [--repeats 3] [--cases short long]
+    python benchmarks/bench_multi_turn.py [--prompts 64] [--n 4] [--repeats 3] [--cases short long long-small]
 
-Cases (both on the demo's prompts and `reveal` tool, fp32, one rank):
+Cases (all on the demo's prompts and `reveal` tool, fp32, one rank):
 - short: the demo's model: a call (~8 sampled tokens), the tool turn (image + colour), a 2-token answer.
 - long: a tiny model fitted here (once, to outputs/multi_turn_bench/) to write 24-72 filler words
   before its call and again before its answer, so turns are ~64+ sampled tokens of varying length,
   as when a model reasons before acting.
+- long-small: the same with the `small` tiny-model size (~30 M parameters; fitting takes ~3 min).
 
 Per case, interleaved in one engine: each of `--repeats` repetitions runs the four modes below back to back
 and prints their tokens/s; the summary gives the median tokens/s, the median ratio to each
@@ -21,8 +22,11 @@ swings absolute rates several-fold between minutes; a repetition's four runs see
   continuous call (`ignore_eos`, one request each): the same tokens with the same length spread,
   without the tool turns. A fixed length has no tail of long samples, which real rollouts (single-
   or multi-turn) have; the engine then runs far fewer steps, many of them nearly empty in the tail.
-Reported: sampled tokens/s of each, the ratios to both single-turn runs, and the share of each multi-turn wall
-time spent in tool calls (the pool's `call`, process round trips included).
+Reported: sampled tokens/s of each, the ratios to both single-turn runs, the share of each multi-turn wall
+time spent in tool calls (the pool's `call`, process round trips included), and what a resumed turn
+costs in ms over the matched run (`turn_cost_ms`): a fixed cost per turn, so the ratio depends on how
+long a step of the model takes (case `long-small`: a 6-layer, 512-wide model, ~5x the tiny one's
+step).
 """
 
 from __future__ import annotations
@@ -43,16 +47,22 @@ from vlrl.config import DataConfig, MultiTurnConfig, RolloutConfig
 from vlrl.data.collate import collate_prompts
 from vlrl.data.prepare import RowPreparer
 from vlrl.models.processor import load_processor
-from vlrl.rollout import create_rollout_engine, sync_weights
+from vlrl.rollout import create_rollout_engine, sync_weights, vllm_hooks
 
 DEMO = Path("outputs/multi_turn_demo")
-LONG_MODEL = Path("outputs/multi_turn_bench/model")
+BENCH = Path("outputs/multi_turn_bench")
 FILLER = ["the", "shape", "is", "grey", "so", "look", "at", "it", "again", "which", "colour", "maybe", "call"]
-CASES = {"short": (DEMO / "model", 64), "long": (LONG_MODEL, 320)}  # model, max_response_length
+# case -> (model, max_response_length, size of the filler model fitted here or None for the demo's)
+CASES = {
+    "short": (DEMO / "model", 64, None),
+    "long": (BENCH / "model", 320, "tiny"),
+    "long-small": (BENCH / "model_small", 320, "small"),
+}
 
 
-def build_long_model(steps: int = 80) -> None:
-    """The demo's tiny model shape, fitted to write filler before its call and before its answer."""
+def build_long_model(model_dir: Path, size: str, steps: int = 80) -> None:
+    """A model of the demo's family and `size`, fitted to write filler before its call and before
+    its answer."""
     import importlib.util
 
     from vlrl.models.tiny import build_tiny_model
@@ -61,15 +71,16 @@ def build_long_model(steps: int = 80) -> None:
     assert spec is not None and spec.loader is not None
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
-    build_tiny_model(LONG_MODEL, "qwen2_5_vl", "tiny", seed=0, min_pixels=demo.PIXELS, max_pixels=demo.PIXELS,
+    build_tiny_model(model_dir, "qwen2_5_vl", size, seed=0, min_pixels=demo.PIXELS, max_pixels=demo.PIXELS,
                      tool_tokens=True)  # fmt: skip
 
     def filler(rng: random.Random) -> str:
         return " ".join(rng.choice(FILLER) for _ in range(rng.randint(24, 72))) + " "
 
-    stats = demo.warm_up(LONG_MODEL, DEMO / "data" / "train_mt.jsonl", steps, batch_size=8, filler=filler)
+    stats = demo.warm_up(model_dir, DEMO / "data" / "train_mt.jsonl", steps, batch_size=8, filler=filler)
+    (model_dir / "turn_warmup.json").write_text(json.dumps(stats))
     print(
-        f"long-turn model: loss {stats['loss_first']:.2f} -> {stats['loss_last']:.2f} in {stats['seconds']:.0f} s"
+        f"long-turn {size} model: loss {stats['loss_first']:.2f} -> {stats['loss_last']:.2f} in {stats['seconds']:.0f} s"
     )
 
 
@@ -138,15 +149,27 @@ def summary_line(mode: str, runs: list[dict[str, tuple[float, int, float, Any]]]
     errors = sum(t["tool_errors"] for t in infos)
     turn_tokens = tokens / max(1, sum(t["num_turns"] for t in infos))
     share = statistics.median(run[mode][2] for run in runs)
-    return (
-        line + f"  calls {calls} ({errors} failed), {turn_tokens:.0f} tokens/turn, tools {100 * share:.1f}%"
+    extra_ms = statistics.median(turn_cost_ms(run, mode) for run in runs)
+    return line + (
+        f"  calls {calls} ({errors} failed), {turn_tokens:.0f} tokens/turn, tools {100 * share:.1f}%, "
+        f"+{extra_ms:.1f} ms per resumed turn"
     )
+
+
+def turn_cost_ms(run: dict[str, tuple[float, int, float, Any]], mode: str) -> float:
+    """What a resumed turn (a tool or user turn and the assistant turn after it) costs over the
+    matched single-turn run: (multi-turn wall - matched wall) / resumed turns, in ms. The matched
+    run samples the same tokens per trajectory, so the difference is the turns' own work: the tool,
+    rendering, the new request, the tool turn's prefill and its image's encoding."""
+    wall, _, _, batch = run[mode]
+    resumed = sum(t["num_turns"] - 1 for t in batch.trajectories)
+    return 1000 * (wall - run["matched"][0]) / max(1, resumed)
 
 
 def run_case(name: str, args: argparse.Namespace) -> None:
     from transformers import AutoModelForImageTextToText
 
-    model_dir, response_length = CASES[name]
+    model_dir, response_length, _ = CASES[name]
     data = DataConfig(max_prompt_length=128, max_response_length=response_length, min_pixels=12544,
                       max_pixels=12544, format_prompt="format_prompts/shapes.jinja", prompt_key="problem",
                       answer_key="answer", image_key="images")  # fmt: skip
@@ -197,10 +220,11 @@ def run_case(name: str, args: argparse.Namespace) -> None:
         print(f"[{name} repetition {r + 1}] " + "  ".join(
             f"{mode} {rate:,.0f} tok/s" for mode, rate in rates.items()
         ))  # fmt: skip
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
     print(
         f"\n== {name}: {len(runs[0]['continuous'][3])} trajectories ({args.prompts} prompts x {args.n}), "
-        f"model {model_dir}, median of {len(runs)} repetitions; ratios to the fixed-length and the "
-        "matched-lengths single-turn runs of the same repetition"
+        f"model {model_dir}, KV blocks of {block} tokens, median of {len(runs)} repetitions; ratios to "
+        "the fixed-length and the matched-lengths single-turn runs of the same repetition"
     )
     for mode in runs[0]:
         print(summary_line(mode, runs))
@@ -214,16 +238,23 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["short", "long"])
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--long-model-steps", type=int, default=80)
+    parser.add_argument(
+        "--block-sizes", nargs="+", type=int, default=[vllm_hooks.CPU_BLOCK_SIZE],
+        help="CPU KV-cache block sizes to run each case with (multiples of 32), one engine each",
+    )  # fmt: skip
     args = parser.parse_args()
-    if "long" in args.cases and not (LONG_MODEL / "turn_warmup.json").exists():
-        build_long_model(args.long_model_steps)
-        (LONG_MODEL / "turn_warmup.json").write_text("{}")
+    for name in args.cases:
+        model_dir, _, size = CASES[name]
+        if size is not None and not (model_dir / "turn_warmup.json").exists():
+            build_long_model(model_dir, size, args.long_model_steps)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
     dist.init_process_group("gloo", rank=0, world_size=1)
     for name in args.cases:
-        run_case(name, args)
+        for block in args.block_sizes:
+            vllm_hooks.CPU_BLOCK_SIZE = block  # read by vllm_engine.llm_kwargs when the engine starts
+            run_case(name, args)
 
 
 if __name__ == "__main__":
