@@ -93,6 +93,25 @@ def test_faults_are_contained_and_parallel(pool):
     assert pool.call([("add", {"a": 5}, {})] * 4)[3].text == "5"
 
 
+def test_submitted_calls_are_polled_as_they_finish(pool):
+    """submit_calls returns at once; poll without blocking takes only what has finished, a blocking
+    poll waits for the next result, and a blocking `call` made meanwhile leaves the others' results."""
+    slow, fast, hang = pool.submit_calls(
+        [("slow", {"seconds": 0.5}, {}), ("add", {"a": 2}, {}), ("hang", {}, {})]
+    )
+    start = time.monotonic()
+    got = pool.poll({slow, fast, hang}, block=False)  # no wait: at most the fast one is back
+    assert time.monotonic() - start < 0.3 and slow not in got and hang not in got
+    assert pool.call([("add", {"a": 7}, {})])[0].text == "7"  # a blocking call in between
+    while fast not in got or slow not in got:
+        got |= pool.poll({slow, fast, hang} - got.keys(), block=True)
+    assert got[fast].text == "2" and got[slow].text == "slept" and hang not in got
+    assert time.monotonic() - start < 1.9  # before the hang's 2 s timeout
+    timed_out = pool.poll({hang}, block=True)[hang]
+    assert timed_out.timed_out and "hang timed out after 2s" in timed_out.text
+    assert pool.poll({slow, fast, hang}, block=True) == {}  # all taken: returns, does not wait
+
+
 def test_bad_tool_file_fails_at_start_up(tmp_path):
     bad = tmp_path / "t.py"
     bad.write_text("import no_such_module\n")

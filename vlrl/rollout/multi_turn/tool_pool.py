@@ -3,6 +3,8 @@
 Composition over the reward machinery: each worker is a `vlrl.rewards.worker_process.WorkerProcess`
 running `tool_worker_main`. A call that exceeds `timeout` (or kills its process) gets an error
 output for the model; its worker is killed and replaced before the next call it would take.
+`call` and `interact` wait for their results; `submit_calls` + `poll` let the caller go on (the
+multi-turn loop's `overlap_tools`) and take results as they come.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from vlrl.rollout.multi_turn.tool_worker import tool_worker_main
 from vlrl.rollout.multi_turn.tools import ToolOutput
 
 logger = logging.getLogger(__name__)
+
+
+def _failed_call(name: str) -> Any:
+    """The output of a call of `name` that failed (why) or timed out."""
+    return lambda why, timed_out: ToolOutput(f"error: {name} {why}", error=True, timed_out=timed_out)
 
 
 class ToolPool:
@@ -55,69 +62,91 @@ class ToolPool:
         self.schemas: list[dict[str, Any]] = info["schemas"]
         """OpenAI-style function schemas, one per tool (for the chat template's tools section)."""
         self.names = [s["function"]["name"] for s in self.schemas]
-        self._job_ids = 0
+        self._job_ids = 0  # ids of the messages sent (a reply names its job)
+        self._tickets = 0  # ids handed to callers, one per submitted call or interaction
+        self._queued: deque[tuple[int, tuple[Any, ...], Any]] = deque()  # (ticket, message, on_failure)
+        self._finished: dict[int, Any] = {}  # ticket -> output, until polled
 
     def _new(self, slot: int) -> WorkerProcess:
         return WorkerProcess(self._ctx, None, {}, slot, target=tool_worker_main, args=self.args, kind="tool")
 
     def call(self, calls: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[ToolOutput]:
         """Run (name, arguments, context) calls in parallel; outputs in call order."""
-        messages = [("call", name, args, ctx) for name, args, ctx in calls]
-        names = [name for name, _, _ in calls]
-        return self._run(messages, lambda i, why, timed_out: ToolOutput(f"error: {names[i]} {why}", error=True,
-                                                                          timed_out=timed_out))  # fmt: skip
+        return self._run(self.submit_calls(calls))
 
     def interact(self, requests: list[tuple[list[dict[str, Any]], dict[str, Any]]]) -> list[str | None]:
         """The interaction's reply (or None: end) for each (messages, context)."""
-        return self._run([("interact", m, c) for m, c in requests], lambda i, why, timed_out: None)
+        return self._run([self._submit(("interact", m, c), lambda why, timed_out: None) for m, c in requests])
 
-    def _run(self, messages: list[tuple[Any, ...]], on_failure: Any) -> list[Any]:
-        results: list[Any] = [None] * len(messages)
-        pending = deque(range(len(messages)))
-        while pending or self._busy():
-            for slot in range(len(self._workers)):
-                if not pending:
-                    break
-                worker = self._workers[slot]
-                if worker is not None and worker.job is not None:
-                    continue
-                if worker is None or not worker.process.is_alive():
-                    if worker is not None:
-                        worker.kill()
-                    worker = self._workers[slot] = self._new(slot)
-                    worker.wait_ready(STARTUP_TIMEOUT)
-                index = pending.popleft()
-                self._job_ids += 1
-                kind, *payload = messages[index]
-                worker.send((kind, self._job_ids, *payload), (self._job_ids, index), self.timeout)
-            self._collect(results, on_failure)
-        return results
+    def submit_calls(self, calls: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[int]:
+        """Queue (name, arguments, context) calls without waiting; a ticket per call for `poll`."""
+        return [self._submit(("call", name, args, ctx), _failed_call(name)) for name, args, ctx in calls]
+
+    def poll(self, tickets: set[int], block: bool) -> dict[int, Any]:
+        """Start queued jobs on free workers and take the finished ones among `tickets` (their
+        outputs, removed from the pool). block: wait until at least one of them has finished."""
+        while True:
+            self._dispatch()
+            self._collect(block and not (tickets & self._finished.keys()))
+            done = {t: self._finished.pop(t) for t in tickets & self._finished.keys()}
+            if done or not block or not (self._queued or self._busy()):
+                return done
+
+    def _submit(self, message: tuple[Any, ...], on_failure: Any) -> int:
+        self._tickets += 1
+        self._queued.append((self._tickets, message, on_failure))
+        return self._tickets
+
+    def _run(self, tickets: list[int]) -> list[Any]:
+        results: dict[int, Any] = {}
+        while len(results) < len(tickets):
+            results.update(self.poll(set(tickets) - results.keys(), block=True))
+        return [results[t] for t in tickets]
+
+    def _dispatch(self) -> None:
+        """Send queued jobs to idle workers (replacing dead ones)."""
+        for slot in range(len(self._workers)):
+            if not self._queued:
+                return
+            worker = self._workers[slot]
+            if worker is not None and worker.job is not None:
+                continue
+            if worker is None or not worker.process.is_alive():
+                if worker is not None:
+                    worker.kill()
+                worker = self._workers[slot] = self._new(slot)
+                worker.wait_ready(STARTUP_TIMEOUT)
+            ticket, (kind, *payload), on_failure = self._queued.popleft()
+            self._job_ids += 1
+            worker.send((kind, self._job_ids, *payload), (self._job_ids, ticket, on_failure), self.timeout)
 
     def _busy(self) -> list[tuple[int, WorkerProcess]]:
         return [(s, w) for s, w in enumerate(self._workers) if w is not None and w.job is not None]
 
-    def _collect(self, results: list[Any], on_failure: Any) -> None:
+    def _collect(self, block: bool) -> None:
+        """Take replies (and time-outs) of busy workers into `_finished`; block: wait for the first
+        reply or the earliest deadline."""
         busy = self._busy()
         if not busy:
             return
-        wait_s = max(0.0, min(w.deadline for _, w in busy) - time.monotonic())
+        wait_s = max(0.0, min(w.deadline for _, w in busy) - time.monotonic()) if block else 0.0
         ready = wait([w.conn for _, w in busy], timeout=wait_s)
         for slot, worker in busy:
-            job_id, index = worker.job
+            job_id, ticket, on_failure = worker.job
             if worker.conn in ready:
                 try:
                     kind, reply_id, value = worker.conn.recv()
                 except (EOFError, OSError):
                     worker.process.join(1)
                     why = describe_exit(worker.process.exitcode, None, None).replace("while scoring", "")
-                    results[index] = on_failure(index, f"failed: {why.strip()}", False)
+                    self._finished[ticket] = on_failure(f"failed: {why.strip()}", False)
                     self._drop(slot)
                     continue
                 if reply_id == job_id:
-                    results[index] = value
+                    self._finished[ticket] = value
                     worker.job = None
             elif worker.deadline <= time.monotonic():
-                results[index] = on_failure(index, f"timed out after {self.timeout:g}s", True)
+                self._finished[ticket] = on_failure(f"timed out after {self.timeout:g}s", True)
                 self._drop(slot)
 
     def _drop(self, slot: int) -> None:
