@@ -2,6 +2,7 @@
 
     python examples/prepare_multi_turn_demo.py          # the warmed-up demo model and data
     python benchmarks/bench_multi_turn.py [--prompts 64] [--n 4] [--repeats 3] [--cases short long long-small]
+        [--tool-delay-ms 0] [--tool-workers 2] [--block-sizes 32]
 
 Cases (all on the demo's prompts and `reveal` tool, fp32, one rank):
 - short: the demo's model: a call (~8 sampled tokens), the tool turn (image + colour), a 2-token answer.
@@ -10,12 +11,15 @@ Cases (all on the demo's prompts and `reveal` tool, fp32, one rank):
   as when a model reasons before acting.
 - long-small: the same with the `small` tiny-model size (~30 M parameters; fitting takes ~3 min).
 
-Per case, interleaved in one engine: each of `--repeats` repetitions runs the four modes below back to back
+Per case, interleaved in one engine: each of `--repeats` repetitions runs the five modes below back to back
 and prints their tokens/s; the summary gives the median tokens/s, the median ratio to each
 single-turn run of the same repetition, with every repetition's ratio (a shared machine's load
-swings absolute rates several-fold between minutes; a repetition's four runs see about the same load):
+swings absolute rates several-fold between minutes; a repetition's five runs see about the same load):
 - per-turn: `engine.continuous_turns=False`, one `LLM.generate` call per turn (the old loop);
-- continuous: requests driven step by step, a sample's next turn queued as soon as its tool answered;
+- continuous: requests driven step by step, a sample's next turn queued as soon as its tool answered
+  (calls run between engine steps);
+- overlapped: continuous with `multi_turn.overlap_tools`: calls run while the engine decodes the
+  other samples (`--tool-delay-ms` makes the tool slow, where this matters);
 - single-turn: the same prompts without tools, `ignore_eos`, `max_tokens` = the continuous call's mean
   sampled tokens per trajectory, so all three sample about the same number of tokens;
 - matched: single-turn again, but trajectory i samples exactly as many tokens as it did in the
@@ -23,10 +27,10 @@ swings absolute rates several-fold between minutes; a repetition's four runs see
   without the tool turns. A fixed length has no tail of long samples, which real rollouts (single-
   or multi-turn) have; the engine then runs far fewer steps, many of them nearly empty in the tail.
 Reported: sampled tokens/s of each, the ratios to both single-turn runs, the share of each multi-turn wall
-time spent in tool calls (the pool's `call`, process round trips included), and what a resumed turn
-costs in ms over the matched run (`turn_cost_ms`): a fixed cost per turn, so the ratio depends on how
-long a step of the model takes (case `long-small`: a 6-layer, 512-wide model, ~5x the tiny one's
-step).
+time spent waiting on or checking for tool results (the pool's `poll`, process round trips
+included), and what a resumed turn costs in ms over the matched run (`turn_cost_ms`); the ratio
+then depends on how that cost compares with an engine step (case `long-small`: a 6-layer,
+512-wide model, ~5x the tiny one's step).
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ DEMO = Path("outputs/multi_turn_demo")
 BENCH = Path("outputs/multi_turn_bench")
 FILLER = ["the", "shape", "is", "grey", "so", "look", "at", "it", "again", "which", "colour", "maybe", "call"]
 # case -> (model, max_response_length, size of the filler model fitted here or None for the demo's)
+# (name, engine.continuous_turns, multi_turn.overlap_tools)
+MULTI_TURN_MODES = (("per-turn", False, False), ("continuous", True, False), ("overlapped", True, True))
 CASES = {
     "short": (DEMO / "model", 64, None),
     "long": (BENCH / "model", 320, "tiny"),
@@ -96,7 +102,7 @@ def load_prompts(model_dir: Path, data: DataConfig, count: int) -> Any:
     return collate_prompts(samples, tokenizer.pad_token_id), tokenizer, processor
 
 
-def timed(
+def timed_generate(
     engine: Any, prompts: Any, overrides: dict[str, Any], tool_seconds: list[float]
 ) -> tuple[float, Any, float]:
     tool_seconds[0] = 0.0
@@ -174,25 +180,30 @@ def run_case(name: str, args: argparse.Namespace) -> None:
                       max_pixels=12544, format_prompt="format_prompts/shapes.jinja", prompt_key="problem",
                       answer_key="answer", image_key="images")  # fmt: skip
     prompts, tokenizer, processor = load_prompts(model_dir, data, args.prompts)
-    mt = MultiTurnConfig(
-        enable=True, tools=["examples/tools/reveal.py:reveal"], max_assistant_turns=2, tool_workers=2
-    )
+    # the tool workers read the delay when they start, with the engine
+    os.environ["VLRL_BENCH_TOOL_DELAY_MS"] = str(args.tool_delay_ms)
+    tool = "benchmarks/slow_tools.py:reveal" if args.tool_delay_ms else "examples/tools/reveal.py:reveal"
+    mt = MultiTurnConfig(enable=True, tools=[tool], max_assistant_turns=2, tool_workers=args.tool_workers)
     config = RolloutConfig(
         dtype="fp32", gpu_memory_utilization=0.2, max_num_seqs=256, n=args.n, multi_turn=mt
     )
     engine = create_rollout_engine(config, data, str(model_dir), tokenizer, processor)
     sync_weights(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32), engine, 64)
     pool = engine.multi_turn.pool
-    tool_seconds, original_call = [0.0], pool.call
+    tool_seconds = [0.0]
 
-    def timed_call(calls: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original_call(calls)
-        finally:
-            tool_seconds[0] += time.perf_counter() - start
+    def timed(method: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                tool_seconds[0] += time.perf_counter() - start
 
-    pool.call = timed_call
+        return run
+
+    # every wait on (or check for) tool results goes through `poll`, `call`'s included
+    pool.poll = timed(pool.poll)
     # one row per repetition: mode -> (wall, sampled tokens, tool share, batch); the three modes of a
     # repetition run back to back, so a load change on a shared machine hits a repetition's modes
     # alike and its ratios to single-turn stay comparable even when the absolute rates swing
@@ -200,14 +211,14 @@ def run_case(name: str, args: argparse.Namespace) -> None:
     per_sample = 0  # single-turn tokens per sample: the first continuous call's mean, then fixed
     for r in range(args.repeats):
         run: dict[str, tuple[float, int, float, Any]] = {}
-        for mode, continuous in (("per-turn", False), ("continuous", True)):
-            engine.continuous_turns = continuous
-            wall, batch, share = timed(engine, prompts, {"seed": r}, tool_seconds)
+        for mode, continuous, overlap in MULTI_TURN_MODES:
+            engine.continuous_turns, engine.multi_turn.config.overlap_tools = continuous, overlap
+            wall, batch, share = timed_generate(engine, prompts, {"seed": r}, tool_seconds)
             run[mode] = (wall, int(batch.response_mask.sum()), share, batch)
         per_sample = per_sample or max(1, round(run["continuous"][1] / len(run["continuous"][3])))
         # the same engine without the tool loop: one generation of the same sampled-token count
         engine.multi_turn, saved = None, engine.multi_turn
-        wall, single, _ = timed(
+        wall, single, _ = timed_generate(
             engine, prompts, {"seed": r, "ignore_eos": True, "max_tokens": per_sample}, [0.0]
         )
         engine.multi_turn = saved
@@ -240,6 +251,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--long-model-steps", type=int, default=80)
+    parser.add_argument("--tool-delay-ms", type=float, default=0.0, help="the tool sleeps this long first")
+    parser.add_argument("--tool-workers", type=int, default=2)
     parser.add_argument(
         "--block-sizes", nargs="+", type=int, default=[vllm_hooks.CPU_BLOCK_SIZE],
         help="CPU KV-cache block sizes to run each case with (multiples of 32), one engine each",

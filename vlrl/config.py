@@ -364,6 +364,11 @@ class MultiTurnConfig(_Section):
     tools_kwargs_key: str = "tools_kwargs"
     """Dataset column with per-row tool context: {tool name: {keyword: value}}, passed to the tool's
     keyword-only parameters (hidden from the model)."""
+    overlap_tools: bool = False
+    """Run tool calls while the engine keeps decoding the other samples; a sample's next turn starts
+    at the first step after its call returns. Hides slow tools, but which step that is depends on
+    timing, so sampling is no longer reproducible on CPU engines (GPU engines seed each request).
+    Off: calls run between engine steps and the run is deterministic. Needs tensor_parallel_size=1."""
 
 
 @dataclass

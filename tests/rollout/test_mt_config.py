@@ -36,6 +36,8 @@ def test_valid_multi_turn_config(base):
          r"format='json' is unknown"),
         ([f"worker.rollout.multi_turn.tools=[{TOOLS}:add]", "worker.rollout.name=hf"],
          r"runs on the vLLM engine only"),
+        ([f"worker.rollout.multi_turn.tools=[{TOOLS}:add]", "worker.rollout.multi_turn.overlap_tools=true",
+          "worker.rollout.tensor_parallel_size=2"], r"overlap_tools=true with worker.rollout.tensor_parallel_size>1"),
     ],
 )  # fmt: skip
 def test_bad_values_fail_at_start_up(base, overrides, message):

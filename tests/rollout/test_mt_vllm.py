@@ -207,3 +207,44 @@ def test_continuous_loop_is_a_function_of_the_seed(mt):
     assert torch.equal(first.rollout_log_probs, again.rollout_log_probs)
     assert _trajectory_facts(first) == _trajectory_facts(again)
     assert not torch.equal(first.responses, other.responses)
+
+
+def test_overlapped_tools_let_the_other_samples_finish_first(mt, monkeypatch):
+    """overlap_tools: while the hanging tool runs out its timeout, the other samples get their
+    results and finish their answers; the blocking loop makes every sample wait for it. Greedy
+    tokens do not depend on the schedule, so both give the same trajectories."""
+    events: list[tuple[str, int, int]] = []  # (what, prompt row, assistant turns so far)
+    loop = mt.engine.multi_turn
+    take_turn, add_result = loop._take_turn, loop._add_result
+
+    def logged_take_turn(t, *args):
+        take_turn(t, *args)
+        events.append(("turn", t.prompt_row, t.assistant_turns))
+
+    def logged_add_result(t, *args):
+        add_result(t, *args)
+        events.append(("result", t.prompt_row, t.assistant_turns))
+
+    monkeypatch.setattr(loop, "_take_turn", logged_take_turn)
+    monkeypatch.setattr(loop, "_add_result", logged_add_result)
+
+    def run(overlap: bool):
+        events.clear()
+        monkeypatch.setattr(loop.config, "overlap_tools", overlap)
+        batch = mt.engine.generate(mt.prompts, GREEDY)
+        hang_result = events.index(("result", 2, 1))
+        finished_before = {row for what, row, turns in events[:hang_result] if what == "turn" and turns == 2}
+        return batch, finished_before
+
+    overlapped, finished_early = run(True)
+    blocking, finished_blocking = run(False)
+    assert finished_early == {0, 1, 3}  # show, add and the malformed call answered during the hang
+    # blocking: show and add called in the hang's step, so they wait out its timeout (the shorter
+    # malformed call ends earlier and may finish before)
+    assert not finished_blocking & {0, 1}
+    assert all(info["num_turns"] == 2 for info in overlapped.trajectories)
+    assert overlapped.trajectories[2]["tool_timeouts"] == 1
+    assert torch.equal(overlapped.responses, blocking.responses)
+    assert torch.equal(overlapped.response_mask, blocking.response_mask)
+    assert torch.equal(overlapped.position_ids, blocking.position_ids)
+    assert _trajectory_facts(overlapped) == _trajectory_facts(blocking)

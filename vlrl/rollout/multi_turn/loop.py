@@ -8,7 +8,7 @@ Two drivers of the same per-sample logic (`_take_turn`, `_run_calls`, `_interact
   [(sampled ids, log-probs or None)]; every turn of the batch waits for its slowest sample.
 - `run_continuous`: a `TurnEngine` takes turns one request each and, step by step, hands back the
   turns that ended; a sample's next turn is queued as soon as its tool answered, while the others
-  keep decoding.
+  keep decoding (with `overlap_tools`, also while its tool runs).
 
 Both stop a turn at `stop_token_ids` (EOS + the end-of-call token).
 """
@@ -128,21 +128,55 @@ class MultiTurnRollout:
         """As `run`, but no turn waits for the others: after each engine step the turns that ended
         there (in sample order) have their calls run, and their next turns are queued before the
         next step. Tools run between steps, so which requests share a step, hence the sampling,
-        depends on the inputs and the tools' answers only, never on timing."""
+        depends on the inputs and the tools' answers only, never on timing. With
+        `overlap_tools`, calls run while the engine keeps stepping (`_overlap_calls`): faster with
+        slow tools, but the schedule then depends on when each tool finished."""
         trajectories = self._start(prompts, n, max_tokens)
         turns = [0] * len(trajectories)
         engine.submit(self._next_turns(trajectories, range(len(trajectories)), turns))
-        while engine.busy():
-            ended = sorted(engine.step(), key=lambda e: e[0])
+        in_tools: dict[int, tuple[int, ToolCall]] = {}  # overlap_tools: pool ticket -> (sample key, call)
+        while engine.busy() or in_tools:
+            ended = sorted(engine.step(), key=lambda e: e[0]) if engine.busy() else []
             calls: list[tuple[Trajectory, ToolCall | Any]] = []
             finished: list[Trajectory] = []
             for key, ids, log_probs in ended:
                 self._take_turn(trajectories[key], list(ids), log_probs, calls, finished)
                 turns[key] += 1
-            self._run_calls(calls)
+            ready = [key for key, _, _ in ended]
+            if self.config.overlap_tools:
+                ready = self._overlap_calls(trajectories, ready, calls, in_tools, engine.busy())
+            else:
+                self._run_calls(calls)
             self._interact(finished)
-            engine.submit(self._next_turns(trajectories, [key for key, _, _ in ended], turns))
+            engine.submit(self._next_turns(trajectories, ready, turns))
         return assemble_trajectories(prompts, trajectories, self.pad_token_id, self.encoder.positions)
+
+    def _overlap_calls(
+        self,
+        trajectories: list[Trajectory],
+        ended: list[int],
+        calls: list[tuple[Trajectory, ToolCall | Any]],
+        in_tools: dict[int, tuple[int, ToolCall]],
+        engine_busy: bool,
+    ) -> list[int]:
+        """overlap_tools: send this step's calls to the pool without waiting (malformed ones are
+        answered at once), append the results that have come back, and return the sample keys
+        whose next turn can start now (sorted). Waits for a result only when nothing else can run."""
+        key_of = {id(trajectories[k]): k for k in ended}
+        parsed = [(key_of[id(t)], c) for t, c in calls if isinstance(c, ToolCall)]
+        tickets = self.pool.submit_calls(
+            [(c.name, c.arguments, self._context(trajectories[k], c.name)) for k, c in parsed]
+        )
+        in_tools.update(zip(tickets, parsed))
+        self._run_calls([(t, c) for t, c in calls if not isinstance(c, ToolCall)])
+        waiting = {k for k, _ in in_tools.values()}
+        ready = [k for k in ended if k not in waiting]
+        done = self.pool.poll(set(in_tools), block=not engine_busy and not ready)
+        for ticket in sorted(done):
+            key, call = in_tools.pop(ticket)
+            self._add_result(trajectories[key], call, done[ticket])
+            ready.append(key)
+        return sorted(ready)
 
     def _start(self, prompts: PromptBatch, n: int, max_tokens: int | None) -> list[Trajectory]:
         self._limit = max_tokens or self.max_response_length
@@ -200,19 +234,20 @@ class MultiTurnRollout:
         outputs = self.pool.call([(c.name, c.arguments, self._context(t, c.name)) for t, c in parsed])
         results = dict(zip([id(t) for t, _ in parsed], outputs))
         for t, call in calls:
-            out = results.get(id(t)) or ToolOutput(call.message, error=True)
-            if out.images and self.encoder.spec is None:
-                out = ToolOutput(
-                    "error: the tool returned an image but this model reads text only", error=True
-                )
-            name = call.name if isinstance(call, ToolCall) else None
-            args = call.arguments if isinstance(call, ToolCall) else None
-            text, cut = self.renderer.truncate(out.text)
-            t.tool_truncated += int(cut)
-            t.tool_calls.append({"name": name, "arguments": args, "result": text, "images": len(out.images),
-                                 "error": out.error, "timed_out": out.timed_out})  # fmt: skip
-            t.messages.append({"role": "tool", "name": name, "content": text, "images": len(out.images)})
-            self._append(t, self.renderer.tool_turn(text, len(out.images)), out.images)
+            self._add_result(t, call, results.get(id(t)) or ToolOutput(call.message, error=True))
+
+    def _add_result(self, t: Trajectory, call: ToolCall | Any, out: ToolOutput) -> None:
+        """Record a call's output (or a malformed call's message) and append its tool turn."""
+        if out.images and self.encoder.spec is None:
+            out = ToolOutput("error: the tool returned an image but this model reads text only", error=True)
+        name = call.name if isinstance(call, ToolCall) else None
+        args = call.arguments if isinstance(call, ToolCall) else None
+        text, cut = self.renderer.truncate(out.text)
+        t.tool_truncated += int(cut)
+        t.tool_calls.append({"name": name, "arguments": args, "result": text, "images": len(out.images),
+                             "error": out.error, "timed_out": out.timed_out})  # fmt: skip
+        t.messages.append({"role": "tool", "name": name, "content": text, "images": len(out.images)})
+        self._append(t, self.renderer.tool_turn(text, len(out.images)), out.images)
 
     def _interact(self, finished: list[Trajectory]) -> None:
         """Ask the interaction (if any) to reply to trajectories that ended a turn with EOS."""
