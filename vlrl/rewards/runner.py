@@ -26,7 +26,7 @@ from vlrl.rewards.calling import Outcome, call_batch, call_one, guarded
 from vlrl.rewards.loading import LoadedReward, check_kwargs, load_reward_function, resolve_spec
 from vlrl.rewards.memory import describe_exit, describe_timeout
 from vlrl.rewards.types import RewardError, RewardFailure, RewardInput, RewardResult
-from vlrl.rewards.worker_process import STARTUP_TIMEOUT, WorkerProcess
+from vlrl.rewards.worker_process import STARTUP_TIMEOUT, WorkerProcess, idle_workers
 
 logger = logging.getLogger(__name__)
 
@@ -223,16 +223,7 @@ class RewardRunner:
             self._kill(slot)
 
     def _dispatch(self, batch: _Batch) -> None:
-        for slot in range(self.num_workers):
-            if not batch.pending:
-                return
-            worker = self._workers[slot]
-            if worker is not None and worker.job is not None:
-                continue
-            if worker is None or not worker.process.is_alive():
-                if worker is not None:
-                    self._kill(slot)
-                worker = self._restart(slot)
+        for worker in idle_workers(self._workers, self._restart, lambda: bool(batch.pending)):
             indices = batch.pending.popleft()
             self._job_ids += 1
             worker.send_job(_Job(self._job_ids, indices), [batch.inputs[i] for i in indices], self.timeout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vlrl.rewards.memory import memory_kib
@@ -97,3 +97,23 @@ class WorkerProcess:
             self.conn.send(("stop",))
         self.process.join(2)
         self.kill()
+
+
+def idle_workers(
+    workers: list[WorkerProcess | None],
+    restart: Callable[[int], WorkerProcess],
+    more: Callable[[], bool],
+) -> Iterator[WorkerProcess]:
+    """Each worker without a job in flight, in slot order, while `more()` says there is work for
+    it; a dead or missing worker is killed and replaced by `restart(slot)` (which also stores it in
+    `workers`) only then, so no process starts for nothing."""
+    for slot, worker in enumerate(workers):
+        if not more():
+            return
+        if worker is not None and worker.job is not None:
+            continue
+        if worker is None or not worker.process.is_alive():
+            if worker is not None:
+                worker.kill()
+            worker = restart(slot)
+        yield worker

@@ -18,7 +18,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from vlrl.rewards.memory import describe_exit
-from vlrl.rewards.worker_process import STARTUP_TIMEOUT, WorkerProcess
+from vlrl.rewards.worker_process import STARTUP_TIMEOUT, WorkerProcess, idle_workers
 from vlrl.rollout.multi_turn.tool_config import ToolEntry
 from vlrl.rollout.multi_turn.tool_worker import tool_worker_main
 from vlrl.rollout.multi_turn.tools import ToolOutput
@@ -67,6 +67,11 @@ class ToolPool:
         self._queued: deque[tuple[int, tuple[Any, ...], Any]] = deque()  # (ticket, message, on_failure)
         self._finished: dict[int, Any] = {}  # ticket -> output, until polled
 
+    def _restart(self, slot: int) -> WorkerProcess:
+        worker = self._workers[slot] = self._new(slot)
+        worker.wait_ready(STARTUP_TIMEOUT)
+        return worker
+
     def _new(self, slot: int) -> WorkerProcess:
         return WorkerProcess(self._ctx, None, {}, slot, target=tool_worker_main, args=self.args, kind="tool")
 
@@ -105,17 +110,7 @@ class ToolPool:
 
     def _dispatch(self) -> None:
         """Send queued jobs to idle workers (replacing dead ones)."""
-        for slot in range(len(self._workers)):
-            if not self._queued:
-                return
-            worker = self._workers[slot]
-            if worker is not None and worker.job is not None:
-                continue
-            if worker is None or not worker.process.is_alive():
-                if worker is not None:
-                    worker.kill()
-                worker = self._workers[slot] = self._new(slot)
-                worker.wait_ready(STARTUP_TIMEOUT)
+        for worker in idle_workers(self._workers, self._restart, lambda: bool(self._queued)):
             ticket, (kind, *payload), on_failure = self._queued.popleft()
             self._job_ids += 1
             worker.send((kind, self._job_ids, *payload), (self._job_ids, ticket, on_failure), self.timeout)
