@@ -253,3 +253,11 @@ def test_tilde_is_not_expanded_in_model_paths(base, tmp_path, monkeypatch) -> No
     (tmp_path / "tiny").mkdir()
     with pytest.raises(ConfigError, match=r"'~/tiny': '~' is not expanded in model paths; write '.*/tiny'"):
         load_config([*base, "worker.actor.model.model_path=~/tiny"])
+
+
+def test_disable_kl_turns_the_kl_loss_off(base: list[str]) -> None:
+    """EasyR1's config.yaml sets use_kl_loss and its DAPO/GSPO/SAPO recipes add disable_kl: no
+    reference is loaded, so the KL loss must be off too (it crashed the first update before)."""
+    config = load_config([*base, "algorithm.use_kl_loss=true", "algorithm.disable_kl=true"])
+    assert not config.algorithm.use_kl_loss and not config.use_reference
+    assert load_config([*base, "algorithm.use_kl_loss=true"]).algorithm.use_kl_loss

@@ -87,7 +87,7 @@ def test_easyr1_meanings_survive_loading(easyr1_folder: list[str]) -> None:
     assert (gspo.policy_loss, gspo.loss_avg_mode, gspo.clip_ratio_low) == ("gspo_token", "seq", 3e-4)
     sapo = load("qwen2_5_vl_7b_geo3k_sapo.sh")
     assert sapo.worker.actor.policy_loss == "sapo" and sapo.worker.actor.tau_negative == 1.05
-    assert sapo.algorithm.disable_kl and not sapo.use_reference
+    assert sapo.algorithm.disable_kl and not sapo.use_reference and not sapo.algorithm.use_kl_loss
     dapo = load("qwen2_5_vl_7b_geo3k_dapo.sh")
     assert dapo.data.mini_rollout_batch_size == 128 and dapo.algorithm.online_filtering
     assert load("qwen2_5_7b_math_grpo.sh").worker.actor.policy_loss == "ppo"  # loss_type default

@@ -114,7 +114,9 @@ class AlgorithmConfig(_Section):
     norm_adv_by_std_in_grpo: bool = True
     """GRPO divides by the group's std; False gives Dr.GRPO's plain mean-centering."""
     disable_kl: bool = False
-    """Turn off every KL term (no reference policy is loaded)."""
+    """Turn off every KL term (no reference policy is loaded). It wins over `use_kl_loss`, as in
+    EasyR1 (whose config.yaml sets `use_kl_loss: true` and whose DAPO recipes add `disable_kl=True`):
+    the loaded config then reads `use_kl_loss: false`."""
     use_kl_loss: bool = False
     """Add `kl_coef * KL(policy || ref)` to the loss (GRPO style); False: KL penalty in the reward."""
     kl_penalty: str = "kl"
@@ -631,6 +633,8 @@ class PPOConfig(_Section):
     def derive(self) -> None:
         """Fill the values that default to other values. The one place for derived config."""
         rollout, model = self.worker.rollout, self.worker.actor.model
+        if self.algorithm.disable_kl:  # no reference, so no KL term of any kind (EasyR1's meaning)
+            self.algorithm.use_kl_loss = False
         if rollout.max_model_len is None:
             rollout.max_model_len = self.data.max_prompt_length + self.data.max_response_length
         if model.tokenizer_path is None:
