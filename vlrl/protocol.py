@@ -163,6 +163,17 @@ class RolloutBatch(SampleBatch):
 ROW_FIELDS = tuple(f.name for f in fields(RolloutBatch) if f.name != "prompt_length")
 """The per-row fields of a RolloutBatch: the columns of a rank's `ExperienceStore`."""
 
+# Every tensor field of RolloutBatch by the width of its last dimension, so that padding two
+# batches to common widths moves all of them (tests/trainer/test_dispatch.py checks that each
+# tensor field is in exactly one of these; a new [N, R] field must be added here).
+SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")  # [..., P + R]
+RESPONSE_FIELDS = (  # [N, R]
+    "responses", "response_mask", "rollout_log_probs", "token_level_scores", "token_level_rewards",
+    "old_log_probs", "ref_log_probs", "advantages", "returns",
+)  # fmt: skip
+PER_ROW_FIELDS = ("group_ids",)  # [N]
+TOKEN_ID_FIELDS = ("input_ids", "responses")  # padded with the pad token id; the rest with 0
+
 
 @dataclass
 class KeptRows:

@@ -101,3 +101,30 @@ def test_streamed_groups_land_on_their_merged_rows() -> None:
     rows = merged_rows(groups, prompt_offsets(shards, 2)[2])
     assert rows == [8, 9, 4, 5]
     assert [merged_uids[r] for r in rows] == [shards[2].uids[2]] * 2 + [shards[2].uids[0]] * 2
+
+
+def test_every_tensor_field_has_a_padding_kind() -> None:
+    """Merging pads each tensor field by its kind; a field in no kind would keep its old width and
+    break the concatenation (the multi-round crash: token_level_scores was missed)."""
+    from dataclasses import fields
+
+    from vlrl.protocol import PER_ROW_FIELDS, RESPONSE_FIELDS, SEQUENCE_FIELDS
+
+    tensors = [f.name for f in fields(RolloutBatch) if "Tensor" in str(f.type)]
+    kinds = [*SEQUENCE_FIELDS, *RESPONSE_FIELDS, *PER_ROW_FIELDS]
+    assert sorted(tensors) == sorted(kinds) and len(set(kinds)) == len(kinds)
+
+
+def test_merge_pads_the_scored_fields_of_rounds_of_different_widths() -> None:
+    """Two generation rounds (DAPO's mini_rollout_batch_size, online filtering) are scored before
+    they are merged: every [N, R] field filled by then is padded with the rest."""
+    a = _rollout([1, 2], [3, 4, 5], eos_at=3, gid=0)
+    b = _rollout([6, 7], [8, 9], eos_at=1, gid=1)
+    for batch, width in ((a, 3), (b, 2)):
+        batch.token_level_scores = torch.arange(1.0, width + 1).view(1, -1)
+        batch.old_log_probs = torch.full((1, width), -0.5)
+    merged = merge_rollouts([a, b], tp_size=1, pad_token_id=PAD)
+    assert merged.tensor("token_level_scores").tolist() == [[1, 2, 3], [1, 2, 0]]
+    assert merged.tensor("old_log_probs").tolist() == [[-0.5] * 3, [-0.5, -0.5, 0]]
+    assert merged.rollout_log_probs.tolist() == [[-1, -1, -1], [-1, -1, 0]]
+    assert a.responses.shape == (1, 3) and b.responses.shape == (1, 2)  # inputs are not modified

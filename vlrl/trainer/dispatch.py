@@ -10,10 +10,12 @@ order (a group's ranks return identical values for the same rows).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
-from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.protocol import RESPONSE_FIELDS, SEQUENCE_FIELDS, TOKEN_ID_FIELDS, PromptBatch, RolloutBatch
 
 
 def split_prompts(prompts: PromptBatch, world_size: int, tp_size: int) -> list[PromptBatch]:
@@ -34,7 +36,8 @@ def merge_rollouts(per_rank: list[RolloutBatch], tp_size: int, pad_token_id: int
 
 
 def _pad_rollout(batch: RolloutBatch, width_p: int, width_r: int, pad_id: int) -> RolloutBatch:
-    """Left-pad the prompt part to `width_p` and right-pad the response part to `width_r`."""
+    """Left-pad the prompt part to `width_p` and right-pad the response part to `width_r`, in every
+    tensor field (by its kind in `vlrl.protocol`: [..., P + R] or [N, R])."""
     left, right = width_p - batch.prompt_length, width_r - batch.responses.shape[1]
     if left == 0 and right == 0:
         return batch
@@ -45,17 +48,16 @@ def _pad_rollout(batch: RolloutBatch, width_p: int, width_r: int, pad_id: int) -
             [F.pad(x[..., :p], (left, 0), value=value), F.pad(x[..., p:], (0, right), value=value)], -1
         )
 
-    def tail(x: torch.Tensor | None, value: float) -> torch.Tensor | None:  # [N, R] -> [N, R']
-        return None if x is None else F.pad(x, (0, right), value=value)
-
-    batch.input_ids = both(batch.input_ids, pad_id)
-    batch.attention_mask = both(batch.attention_mask, 0)
-    batch.position_ids = both(batch.position_ids, 0)
-    batch.responses = F.pad(batch.responses, (0, right), value=pad_id)
-    batch.response_mask = F.pad(batch.response_mask, (0, right), value=0)
-    batch.rollout_log_probs = tail(batch.rollout_log_probs, 0.0)
-    batch.prompt_length = width_p
-    return batch
+    padded: dict[str, torch.Tensor] = {}
+    for names, pad in (
+        (SEQUENCE_FIELDS, both),
+        (RESPONSE_FIELDS, lambda x, v: F.pad(x, (0, right), value=v)),
+    ):
+        for name in names:
+            value = getattr(batch, name)
+            if value is not None:
+                padded[name] = pad(value, pad_id if name in TOKEN_ID_FIELDS else 0)
+    return replace(batch, prompt_length=width_p, **padded)
 
 
 def balanced_shards(batch: RolloutBatch, world_size: int, ulysses_size: int = 1) -> list[list[int]]:
