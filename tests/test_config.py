@@ -121,6 +121,7 @@ def test_bad_keys_and_types(base: list[str], override: str, message: str) -> Non
         (["worker.reward.memory_limit_mb=10"], r"worker.reward.memory_limit_mb=10 must be >= 64 \(or null\)"),
         (["worker.reward.memory_limit_mb=500", "worker.reward.num_workers=0"],
          "worker.reward.memory_limit_mb caps worker processes: set worker.reward.num_workers >= 1"),
+        (["trainer.val_only=true", "data.val_files="], "trainer.val_only=true validates and exits, and needs data.val_files"),
     ],
 )  # fmt: skip
 def test_cross_field_rules(base: list[str], overrides: list[str], message: str) -> None:

@@ -433,6 +433,8 @@ def _check_trainer(config: PPOConfig) -> list[str]:
         errors.append("worker.actor.model.model_path is required (a Hugging Face model folder)")
     if not config.data.train_files:
         errors.append("data.train_files is required")
+    if trainer.val_only and not config.data.val_files:
+        errors.append("trainer.val_only=true validates and exits, and needs data.val_files")
     for key, value in (("data.format_prompt", config.data.format_prompt),):
         if value and not os.path.isfile(value):
             errors.append(f"{key}: file {value!r} does not exist")

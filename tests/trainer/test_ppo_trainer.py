@@ -40,8 +40,8 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("ppo_trainer")
     model = build_tiny_model(root / "model", arch="qwen2_5_vl", seed=0, min_pixels=3136, max_pixels=3136)
-    train, _ = make_shapes_dataset(root / "data", n_train=48, n_val=4, seed=0, task="colour")
-    return {"root": root, "model": model, "train": Path(train)}
+    train, val = make_shapes_dataset(root / "data", n_train=48, n_val=4, seed=0, task="colour")
+    return {"root": root, "model": model, "train": Path(train), "val": Path(val)}
 
 
 def _trainer(assets: dict[str, Path], tmp_path: Path, *overrides: str, solved: str = "set()") -> PPOTrainer:
@@ -204,3 +204,24 @@ def test_streamed_rewards_score_the_groups_as_they_finish_and_the_same_batch(mak
         assert torch.equal(getattr(streamed, name), getattr(after, name)), name
     assert streamed.reward_parts == after.reward_parts
     assert streamed_metrics == after_metrics
+
+
+def test_a_resumed_run_validates_first_and_val_only_never_trains(
+    make, assets: dict[str, Path], tmp_path: Path
+) -> None:
+    """EasyR1's config finds the last checkpoint: with `val_only` the loaded model is validated and
+    nothing is trained or saved; a resumed run validates the loaded model before its next step."""
+    import json
+
+    make("trainer.max_steps=1", "trainer.val_before_train=false").fit()
+    run = tmp_path / "run"
+    assert (run / "global_step_1").is_dir()
+    val = (f"data.val_files={assets['val']}", "trainer.find_last_checkpoint=true")
+    assert make(*val, "trainer.val_only=true", "trainer.max_steps=2").fit() == []
+    assert not (run / "global_step_2").exists()
+    make(*val, "trainer.max_steps=2", "trainer.val_freq=-1").fit()
+    rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    # the first run's step 1; val_only's validation of step 1; the resumed run: step 1's validation, step 2
+    assert [(r["step"], "val/overall" in r, "actor/pg_loss" in r) for r in rows] == [
+        (1, False, True), (1, True, False), (1, True, False), (2, True, True),
+    ]  # fmt: skip

@@ -142,14 +142,11 @@ class PPOTrainer:
 
         self._resume()
         trainer = self.config.trainer
-        if (
-            (trainer.val_before_train or trainer.val_only)
-            and self.data.val_loader is not None
-            and self.global_step == 0
-        ):
-            self.tracker.log(self.validate(), step=0)
-            if trainer.val_only:
-                return self.history
+        # The loaded model is validated first, resumed or not (as in EasyR1); val_only stops there.
+        if (trainer.val_before_train or trainer.val_only) and self.data.val_loader is not None:
+            self.tracker.log(self.validate(), step=self.global_step)
+        if trainer.val_only:
+            return self.history
         progress = tqdm(total=self.total_steps, initial=self.global_step, desc="steps", disable=None)
         while self.global_step < self.total_steps:
             self.global_step += 1
