@@ -23,6 +23,7 @@ from typing import Any
 from vlrl.rewards.math_grading import last_boxed, math_equal, preload
 
 REWARD_TYPE = "batch"
+PARTIAL_BATCHES = True  # each sample is scored on its own: groups may be scored as they finish
 preload()  # pay math_verify's import when the worker starts, not inside the first timed call
 
 

@@ -459,8 +459,8 @@ class RewardConfig(_Section):
     streaming: bool = True
     """Score each group as soon as its samples are generated, while the rest of the batch is still
     generating (vLLM, single-turn; the HF engine and multi-turn rollouts report their groups at the
-    end). The batch and its scores are the same either way, except that a batch reward function is
-    then called on the groups that finished together rather than on the whole batch at once."""
+    end). The batch and its scores are the same either way: a batch reward function is streamed only
+    when its file declares `PARTIAL_BATCHES = True`; otherwise it gets the whole batch after generation."""
     memory_limit_mb: int | None = None
     """Cap on each reward worker's address space in MiB (RLIMIT_AS, set before the reward file is imported,
     so its imports count too): an allocation past it raises MemoryError in the reward, reported as out of

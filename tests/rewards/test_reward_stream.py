@@ -16,6 +16,7 @@ from vlrl.rewards import RewardError, RewardRunner
 SLEEP_S = 0.2
 SOURCE = f"""
 import time
+PARTIAL_BATCHES = True  # the batch function may be called on part of the batch (streamed groups)
 
 def sequential(x):
     time.sleep({SLEEP_S})

@@ -16,6 +16,7 @@ from vlrl.rewards import RewardError, RewardRunner
 TIMEOUT = 1.0
 SOURCE = """
     import math, os, time
+    PARTIAL_BATCHES = True  # scores each sample on its own: two workers may split a batch
 
     def one(x):
         r = x["response"]

@@ -81,7 +81,8 @@ def test_extra_columns_reach_the_function(spec):
 
 
 @pytest.mark.parametrize("fn, reward_type", [("batch", "batch"), ("sequential", "sequential")])
-def test_two_workers_keep_input_order(spec, fn, reward_type):
+def test_two_workers_keep_input_order(write_reward, fn, reward_type):
+    spec = write_reward("    PARTIAL_BATCHES = True" + SOURCE)  # a batch function may get part of the batch
     responses = [str(i) for i in range(50)]
     with RewardRunner(make_config(f"{spec}:{fn}", reward_type=reward_type, num_workers=2)) as runner:
         for _ in range(2):  # the pool is reused across calls
@@ -94,6 +95,17 @@ def test_two_workers_keep_input_order(spec, fn, reward_type):
             assert {s["n"] for s in result.scores} == {25.0}
         assert runner.score([]).scores == []
         assert runner.score(inputs_for(["5"])).overall == [5.0]  # fewer inputs than workers
+
+
+def test_a_batch_function_gets_the_whole_batch_unless_partial_batches(spec, write_reward):
+    """EasyR1 calls a batch reward once with the whole batch; more workers must not split it."""
+    with RewardRunner(make_config(f"{spec}:batch", num_workers=2)) as runner:
+        assert runner.whole_batches
+        result = runner.score(inputs_for([str(i) for i in range(10)]))
+    assert {s["n"] for s in result.scores} == {10.0} and len({s["pid"] for s in result.scores}) == 1
+    bad = write_reward("    PARTIAL_BATCHES = 'yes'" + SOURCE)
+    with pytest.raises(RewardError, match="PARTIAL_BATCHES in .* must be True or False"):
+        RewardRunner(make_config(f"{bad}:batch", num_workers=0))
 
 
 def test_missing_parts_are_filled_with_zero(spec):

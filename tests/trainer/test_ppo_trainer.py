@@ -25,11 +25,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 # overall = 1 for the colours in SOLVED (a group of such prompts has all-equal rewards and online
 # filtering drops it), else the share of vowels in the response (varies between samples).
+# `calls` counts the samples of the call that scored a sample. The function scores each sample
+# on its own (PARTIAL_BATCHES), except where a test says otherwise.
 REWARD = """
 SOLVED = {solved}
+PARTIAL_BATCHES = {partial}
 def compute_score(inputs):
     return [{{'overall': 1.0 if x.ground_truth in SOLVED else
-              sum(c in 'aeiou' for c in x.response) / max(len(x.response), 1)}} for x in inputs]
+              sum(c in 'aeiou' for c in x.response) / max(len(x.response), 1),
+              'calls': float(len(inputs))}} for x in inputs]
 """
 
 
@@ -44,9 +48,11 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "model": model, "train": Path(train), "val": Path(val)}
 
 
-def _trainer(assets: dict[str, Path], tmp_path: Path, *overrides: str, solved: str = "set()") -> PPOTrainer:
+def _trainer(
+    assets: dict[str, Path], tmp_path: Path, *overrides: str, solved: str = "set()", partial: bool = True
+) -> PPOTrainer:
     reward = tmp_path / "reward.py"
-    reward.write_text(REWARD.format(solved=solved))
+    reward.write_text(REWARD.format(solved=solved, partial=partial))
     config = load_config([
         f"config={REPO / 'examples' / 'quickstart.yaml'}",
         f"worker.actor.model.model_path={assets['model']}",
@@ -71,16 +77,21 @@ def _trainer(assets: dict[str, Path], tmp_path: Path, *overrides: str, solved: s
 
 @pytest.fixture
 def make(assets: dict[str, Path], tmp_path: Path):
-    """`make(*overrides, solved=...)` -> a set-up trainer, closed after the test."""
+    """`make(*overrides, solved=..., partial=...)` -> a set-up trainer, closed after the test."""
     # An engine left by an earlier test module may tear its torch.distributed world down whenever
     # it is garbage-collected, i.e. in the middle of this trainer's set-up: collect it now.
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # An earlier vLLM trainer's world group, whose process groups its shutdown destroyed: a new
+    # engine would take it for its own.
+    import vllm.distributed.parallel_state as vllm_groups
+
+    vllm_groups._WORLD = None
     made: list[PPOTrainer] = []
 
-    def build(*overrides: str, solved: str = "set()") -> PPOTrainer:
-        made.append(_trainer(assets, tmp_path, *overrides, solved=solved))
+    def build(*overrides: str, solved: str = "set()", partial: bool = True) -> PPOTrainer:
+        made.append(_trainer(assets, tmp_path, *overrides, solved=solved, partial=partial))
         return made[-1]
 
     yield build
@@ -202,8 +213,14 @@ def test_streamed_rewards_score_the_groups_as_they_finish_and_the_same_batch(mak
         "token_level_scores",
     ):
         assert torch.equal(getattr(streamed, name), getattr(after, name)), name
-    assert streamed.reward_parts == after.reward_parts
-    assert streamed_metrics == after_metrics
+
+    def without_calls(values: dict) -> dict:  # the calls' sizes differ by design
+        return {key: value for key, value in values.items() if "calls" not in key}
+
+    assert [without_calls(p) for p in streamed.scored_parts()] == [
+        without_calls(p) for p in after.scored_parts()
+    ]
+    assert without_calls(streamed_metrics) == without_calls(after_metrics)
 
 
 def test_a_resumed_run_validates_first_and_val_only_never_trains(
@@ -225,3 +242,14 @@ def test_a_resumed_run_validates_first_and_val_only_never_trains(
     assert [(r["step"], "val/overall" in r, "actor/pg_loss" in r) for r in rows] == [
         (1, False, True), (1, True, False), (1, True, False), (2, True, True),
     ]  # fmt: skip
+
+
+def test_a_batch_reward_sees_the_whole_batch_unless_it_declares_partial_batches(make) -> None:
+    """EasyR1 calls a batch reward with the whole batch (it may normalise across it): streaming and
+    several workers must not cut it into groups, unless the file says PARTIAL_BATCHES = True."""
+    overrides = ("worker.rollout.name=vllm", "worker.rollout.max_num_seqs=4", "worker.reward.num_workers=2")
+    whole = make(*overrides, partial=False)
+    whole.global_step = 1
+    batch, _ = whole._generate_and_score(whole.data.next_train_batch())
+    assert whole.config.worker.reward.streaming and whole.rewards.whole_batches
+    assert {parts["calls"] for parts in batch.scored_parts()} == {16.0}  # 4 prompts x 4 samples, one call

@@ -12,6 +12,10 @@ Reward type precedence (`batch` or `sequential`):
 3. a config that asks for `sequential` for a file that declares `REWARD_TYPE = "batch"` is an error
    (the config default `batch` cannot be told apart from an explicit `batch`, so it never overrides
    a file's declaration).
+
+A batch function gets the whole step's batch in one call, as in EasyR1 (it may compare or normalise
+across samples), unless its file declares `PARTIAL_BATCHES = True`: it scores each sample on its own,
+so it may be called on part of the batch (several workers, and groups scored as they finish).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class LoadedReward:
     reward_type: str
     spec: str
     """The spec it was loaded from, as given."""
+    partial_batches: bool = False
+    """The file declares `PARTIAL_BATCHES = True` (a batch function may get part of the batch)."""
 
     @property
     def where(self) -> str:
@@ -151,7 +157,10 @@ def load_reward_function(spec: str, reward_type: str | None = None) -> LoadedRew
     lacks the function, or the attribute is not callable.
     """
     fn, abspath, name, module = load_function(spec)
-    return LoadedReward(fn, abspath, name, _resolve_type(module, abspath, reward_type), spec)
+    partial = getattr(module, "PARTIAL_BATCHES", False)
+    if not isinstance(partial, bool):
+        raise RewardLoadError(f"PARTIAL_BATCHES in {abspath} must be True or False, not {partial!r}")
+    return LoadedReward(fn, abspath, name, _resolve_type(module, abspath, reward_type), spec, partial)
 
 
 def check_kwargs(loaded: LoadedReward, kwargs: Mapping[str, Any]) -> None:

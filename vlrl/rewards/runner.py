@@ -105,10 +105,13 @@ class RewardRunner:
         """`batch` or `sequential`, as resolved when the file was loaded."""
         self.where = ""
         """`file.py:function`, as named in error messages."""
+        self.partial_batches = False
+        """The file declares `PARTIAL_BATCHES = True` (see `vlrl.rewards.loading`)."""
         if self.num_workers == 0:
             self.loaded = load_reward_function(config.reward_function, config.reward_type)
             check_kwargs(self.loaded, self.kwargs)
             self.reward_type, self.where = self.loaded.reward_type, self.loaded.where
+            self.partial_batches = self.loaded.partial_batches
         else:
             # The workers load the file; the training process never runs the user's module code
             # (which may import heavy libraries or load a model). A missing file fails before spawning.
@@ -131,6 +134,7 @@ class RewardRunner:
             self.close()
             raise
         self.reward_type, self.where = info["reward_type"], info["where"]
+        self.partial_batches = info["partial_batches"]
         logger.info("started %d reward workers for %s (%s)", self.num_workers, self.where, self.reward_type)
 
     def _new_worker(self, slot: int) -> WorkerProcess:
@@ -198,12 +202,18 @@ class RewardRunner:
             return [RewardFailure(result.reason, chunk=(0, len(inputs) - 1))] * len(inputs)
         return result
 
+    @property
+    def whole_batches(self) -> bool:
+        """A batch function that must see the whole batch in one call (EasyR1's meaning of a batch
+        reward): it is neither split over workers nor streamed group by group."""
+        return self.reward_type == "batch" and not self.partial_batches
+
     def _queue(self, batch: _Batch, positions: list[int]) -> None:
-        """Queue `positions` in up to `num_workers` contiguous chunks (unless a failure already
-        decided the outcome: `on_failure=raise` scores nothing more)."""
+        """Queue `positions` in up to `num_workers` contiguous chunks, or one for `whole_batches`
+        (unless a failure already decided the outcome: `on_failure=raise` scores nothing more)."""
         if batch.failed and self.on_failure == "raise":
             return
-        for chunk in _split(len(positions), self.num_workers):
+        for chunk in _split(len(positions), 1 if self.whole_batches else self.num_workers):
             batch.pending.append([positions[i] for i in chunk])
 
     def _pump(self, batch: _Batch, max_wait: float) -> None:

@@ -5,7 +5,7 @@ checks the kwargs against its signature, reports `ready` (with the resolved rewa
 jobs until told to stop or until its pipe closes (parent gone).
 
 Messages, worker -> parent:
-    ("ready", {"pid", "reward_type", "where"}) | ("load_error", message)
+    ("ready", {"pid", "reward_type", "where", "partial_batches"}) | ("load_error", message)
     ("batch", job_id, list[Outcome] | RewardFailure)       batch functions: one reply per job
     ("item", job_id, position, Outcome), ("done", job_id)  sequential functions: one reply per sample
 Messages, parent -> worker: ("score", job_id, list[RewardInput]) | ("stop",)
@@ -41,7 +41,12 @@ def worker_main(
     except BaseException as exc:
         conn.send(("load_error", f"loading {spec} {describe_exception(exc)}"))
         return
-    conn.send(("ready", {"pid": os.getpid(), "reward_type": loaded.reward_type, "where": loaded.where}))
+    info = {
+        "reward_type": loaded.reward_type,
+        "where": loaded.where,
+        "partial_batches": loaded.partial_batches,
+    }
+    conn.send(("ready", {"pid": os.getpid(), **info}))
     while True:
         try:
             message = conn.recv()

@@ -295,9 +295,10 @@ class PPOTrainer:
     ) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate and score `prompts`; with `worker.reward.streaming` the groups are scored while
         the rest generate (`vlrl.trainer.scoring`), and `timing/reward` is only the wait after
-        generation ended. Returns the scored batch and the reward metrics."""
+        generation ended; a batch reward that has not declared `PARTIAL_BATCHES = True` gets the
+        whole batch after generation instead. Returns the scored batch and the reward metrics."""
         timer = timer or PhaseTimer()
-        if not self.config.worker.reward.streaming:
+        if not self.config.worker.reward.streaming or self.rewards.whole_batches:
             with timer("gen"):
                 batch = self._generate(prompts, overrides, round_)
             with timer("reward"):
