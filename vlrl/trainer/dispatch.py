@@ -11,6 +11,7 @@ order (a group's ranks return identical values for the same rows).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ def _pad_rollout(batch: RolloutBatch, width_p: int, width_r: int, pad_id: int) -
             [F.pad(x[..., :p], (left, 0), value=value), F.pad(x[..., p:], (0, right), value=value)], -1
         )
 
-    padded: dict[str, torch.Tensor] = {}
+    padded: dict[str, Any] = {}
     for names, pad in (
         (SEQUENCE_FIELDS, both),
         (RESPONSE_FIELDS, lambda x, v: F.pad(x, (0, right), value=v)),
