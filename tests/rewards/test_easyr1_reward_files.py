@@ -1,15 +1,12 @@
 """EasyR1's own reward files run unchanged (their `mathruler`/`pylatexenc` imports are installed).
 
-The files are read from a local EasyR1 checkout when one exists (EASYR1_REPO: a git directory, by
-default the mirror this project was developed next to); without one only the imports are checked.
-Nothing of EasyR1 is kept in this repository.
+The files are EasyR1's own, kept unchanged as test fixtures (tests/fixtures/easyr1/, with their
+license and the commit they come from).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ from rewards_helpers import inputs_for, make_config
 
 from vlrl.rewards import RewardRunner
 
-EASYR1_REPO = os.environ.get("EASYR1_REPO", "/work/.mirror/hiyouga+EasyR1/repo")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "easyr1"
 
 
 def test_easyr1_reward_imports_are_installed() -> None:
@@ -29,15 +26,9 @@ def test_easyr1_reward_imports_are_installed() -> None:
 
 
 def _easyr1_file(name: str, folder: Path) -> str:
-    """Copy EasyR1's examples/reward_function/NAME into `folder`; skip without a checkout."""
-    if shutil.which("git") is None or not os.path.isdir(EASYR1_REPO):
-        pytest.skip(f"no EasyR1 checkout at {EASYR1_REPO} (set EASYR1_REPO)")
-    text = subprocess.run(
-        ["git", "-C", EASYR1_REPO, "show", f"HEAD:examples/reward_function/{name}"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+    """EasyR1's examples/reward_function/NAME, copied into `folder` (a user's own copy)."""
     path = folder / name
-    path.write_text(text)
+    shutil.copy(FIXTURES / "examples" / "reward_function" / name, path)
     return str(path)
 
 
