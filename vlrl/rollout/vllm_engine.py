@@ -50,6 +50,37 @@ def model_family(hf_config: Any) -> str:
     return _FAMILIES.get(getattr(hf_config, "model_type", ""), "text")
 
 
+def tensor_parallel_errors(hf_config: Any, tp: int) -> list[str]:
+    """The model dimensions vLLM 0.32 splits over `tp` ranks that `tp` does not divide (empty: none).
+
+    vLLM shards the text and vision attention heads, the dense MLP width and every expert's width
+    over the TP group, and refuses indivisible ones late (after start-up) or with a bare
+    assertion (`FusedMoEConfig.__post_init__`: `assert self.intermediate_size % tp_size == 0`).
+    KV heads are split when `tp` divides them and replicated when they divide `tp`
+    (`QKVParallelLinear`)."""
+    if tp <= 1:
+        return []
+    from vlrl.models.moe import is_moe_config, is_sparse_layer
+
+    text = getattr(hf_config, "text_config", None)
+    prefix = "text_config." if text is not None else ""
+    text = text if text is not None else hf_config
+    dims = [("num_attention_heads", text.num_attention_heads)]
+    if any(not is_sparse_layer(text, i) for i in range(text.num_hidden_layers)):
+        dims.append(("intermediate_size", text.intermediate_size))  # a dense MLP layer
+    if is_moe_config(text):
+        dims.append(("moe_intermediate_size", text.moe_intermediate_size))
+    errors = [f"{prefix}{name}={value}" for name, value in dims if int(value) % tp]
+    kv = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    if kv % tp and tp % kv:
+        errors.append(f"{prefix}num_key_value_heads={kv} (nor does it divide {tp})")
+    vision = getattr(hf_config, "vision_config", None)
+    heads = getattr(vision, "num_heads", None)
+    if heads is not None and int(heads) % tp:
+        errors.append(f"vision_config.num_heads={heads}")
+    return errors
+
+
 def _dist_layout(tp: int) -> tuple[int, int]:
     """(rank, dp_rank) in the initialized world; sets the env vars `external_launcher` reads."""
     import torch.distributed as dist
@@ -203,6 +234,8 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         if limit and self.max_model_len > limit:
             errors.append(f"max_model_len={self.max_model_len} > the model's max_position_embeddings={limit}")
+        errors += [f"worker.rollout.tensor_parallel_size={c.tensor_parallel_size} does not divide the model's {dim}"
+                   for dim in tensor_parallel_errors(self.hf_config, c.tensor_parallel_size)]  # fmt: skip
         if c.dtype not in VLLM_DTYPES:
             errors.append(f"worker.rollout.dtype={c.dtype!r} is unknown; choose one of {sorted(VLLM_DTYPES)}")
         if errors:
@@ -239,7 +272,16 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         # Pin the runner the processor class was built for (vLLM reads this in `LLM()`).
         os.environ[vllm_hooks.V2_RUNNER_ENV] = "1" if self.use_v2 else "0"
-        llm = LLM(**kwargs)
+        self._shm_ident: str | None = None
+        if not self.on_gpu:  # the CPU all-reduce's shared memory, named after this run (vllm_hooks)
+            self._shm_ident = vllm_hooks.next_cpu_shm_ident(c.tensor_parallel_size)
+            vllm_hooks.use_cpu_shm_ident(self._shm_ident)
+        try:
+            llm = LLM(**kwargs)
+        except BaseException:
+            if self._shm_ident:  # no engine to close: drop the segments it may have made
+                vllm_hooks.remove_cpu_shm(f"{self._shm_ident}-")
+            raise
         runs_v2 = bool(llm.llm_engine.vllm_config.use_v2_model_runner)
         if runs_v2 != self.use_v2:
             raise RuntimeError(
@@ -518,3 +560,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm = None
         destroy_model_parallel()
         gc.collect()
+        # vLLM unlinks its CPU all-reduce segments only at a normal process exit, which Ray's
+        # workers do not reach (vllm_hooks, "CPU shared memory"): remove this engine's now.
+        if getattr(self, "_shm_ident", None):
+            vllm_hooks.remove_cpu_shm(f"{self._shm_ident}-")

@@ -26,7 +26,9 @@ Why these exist (read from the installed vllm, 0.32.0):
   grouped-gemm kernel (`CPUUnquantizedExperts.process_weights_after_loading`) only when it builds
   its kernel, i.e. on the first load (`UnquantizedFusedMoEMethod._setup_kernel` skips it "on
   subsequent calls"). After a reload the experts hold plain weights that the kernel reads as
-  packed, and generation is garbage; `repack_cpu_moe_experts` repeats that step after each reload.
+  packed, and generation is garbage, or, when that step padded the expert width (a per-partition
+  width not a multiple of 32, e.g. under tensor parallelism), the reload fails on the shapes;
+  `repack_cpu_moe_experts` repeats that step inside the reload of each MoE layer.
   (CUDA kernels read the plain layout, there is nothing to repeat.)
 - The layerwise reload warns "<Layer>: Failed to load weights" for layers that only hold buffers
   no checkpoint contains (rotary caches, image mean/std) at every sync; `reload_on_worker` drops
@@ -39,6 +41,10 @@ Why these exist (read from the installed vllm, 0.32.0):
   `torch.set_num_threads` with a function that logs a warning, and the multimodal renderer sets
   and restores the thread count around every image prompt (two warnings per prompt, 2,400 lines
   in a 60-step quickstart); and the INFO line of the prefix-cache reset after each weight sync.
+- Tensor parallelism on CPU: vLLM names its all-reduce shared-memory segments the same for every
+  run under `external_launcher` and leaves them behind when Ray kills the workers, so the next run
+  on the machine fails ("errno: 17"). `use_cpu_shm_ident` names them after the run, and
+  `remove_cpu_shm` / `remove_run_cpu_shm` remove them (see "CPU shared memory" below).
 """
 
 from __future__ import annotations
@@ -269,7 +275,7 @@ def reload_on_worker(
 
     model = worker.model_runner.get_model()
     buffer_only = buffer_only_layers(model)  # before the restore moves tensors to the meta device
-    with set_current_vllm_config(worker.vllm_config):
+    with set_current_vllm_config(worker.vllm_config), repack_cpu_moe_experts(model):
         initialize_layerwise_reload(model)
         # After the restore, parameters carry their checkpoint-format (loadable) names and shapes.
         expected = {name for name, _ in model.named_parameters()}
@@ -280,31 +286,57 @@ def reload_on_worker(
         finally:
             with dropped_reload_warnings(buffer_only):
                 finalize_layerwise_reload(model, worker.model_config)
-        repack_cpu_moe_experts(model)
     return loaded, expected
 
 
-def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
-    """Re-run the CPU expert prepack of every MoE layer after a reload; returns how many layers.
+@contextlib.contextmanager
+def repack_cpu_moe_experts(model: torch.nn.Module) -> Iterator[int]:
+    """Within the block, a reloaded CPU MoE layer re-runs its expert prepack (and padding) before
+    vLLM copies it into the kernel tensors; yields how many layers are hooked (CUDA models: 0).
 
     vLLM 0.32 (vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py) calls
-    `moe_kernel.fused_experts.process_weights_after_loading(layer)` only when it first sets up
-    the kernel; for `CPUUnquantizedExperts` that step reorders w13/w2 ([E, 2I, H], [E, H, I],
-    shapes kept) into the kernel's blocked layout. A reload leaves them plain. CUDA models: 0.
+    `moe_kernel.fused_experts.process_weights_after_loading(layer)` only when it first sets up the
+    kernel (`_setup_kernel`); for `CPUUnquantizedExperts` (fused_moe/experts/cpu_moe.py) that step
+    zero-pads the per-partition expert width to a multiple of 32 (`_pad_moe_intermediate`: e.g.
+    96 / TP 2 = 48 -> 64) and reorders w13/w2 into the kernel's blocked layout. The layerwise
+    reload (model_loader/reload/layerwise.py, `_layerwise_process`) loads a layer's weights into
+    freshly materialized checkpoint-shaped tensors, calls the quant method's
+    `process_weights_after_loading`, then copies the result into the kernel tensors of the first
+    load (`_copy_and_restore_kernel_tensors`). Without this step the copy fails when the width was
+    padded ("The size of tensor a (128) must match the size of tensor b (96)") and otherwise
+    leaves plain weights that the kernel reads as packed (garbage output). Hooked per instance of
+    the quant method, so layers the reload never processes keep their (packed) kernel tensors.
     """
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu":
-        return 0
+        yield 0
+        return
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    count = 0
+    hooked: dict[int, Any] = {}
     for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            experts.process_weights_after_loading(module)
-            count += 1
-    return count
+        method: Any = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and id(method) not in hooked:
+            method.process_weights_after_loading = _with_expert_prepack(method, experts)
+            hooked[id(method)] = method
+    try:
+        yield len(hooked)
+    finally:
+        for method in hooked.values():
+            del method.process_weights_after_loading  # the class's method again
+
+
+def _with_expert_prepack(method: Any, experts: Any) -> Any:
+    original = method.process_weights_after_loading  # bound method of the class
+
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        reload = method.moe_kernel is not None  # the first load prepacks in `_setup_kernel` itself
+        original(layer)
+        if reload:
+            experts.process_weights_after_loading(layer)
+
+    return process_weights_after_loading
 
 
 # vLLM 0.32 `finalize_layerwise_processing` (vllm/model_executor/model_loader/reload/layerwise.py)
@@ -379,3 +411,149 @@ def cpu_kv_cache_bytes(
     # + one block per sequence of slack for block rounding.
     need = per_token * (max_model_len + CPU_BLOCK_SIZE) * max_num_seqs
     return int(min(need, cap_bytes))
+
+
+# ---------------------------------------------------------------------------- CPU shared memory
+# vLLM 0.32's CPU all-reduce (tensor parallelism on CPU) exchanges data through POSIX shared-memory
+# segments named `<VLLM_DIST_IDENT>-<group>-[<ranks>]-cpushm_<rank in group>`
+# (vllm/distributed/device_communicators/cpu_communicator.py, `_CPUSHMDistributed.make_group_name`,
+# lines 236-243; the `_<rank>` suffix is csrc/cpu/shm.cpp `SHMManager::get_shm_name`). The CPU worker
+# overwrites VLLM_DIST_IDENT just before it joins the world (vllm/v1/worker/cpu_worker.py, lines
+# 147-152) with the last `:` field of its init method, and under `external_launcher` that is "env://"
+# (vllm/v1/executor/uniproc_executor.py, line 194), so every vlrl run names its segments
+# `-tp:0-[0-1]-cpushm_0` (shm_open drops the leading slashes of "//-tp:0-..."). The C++ side creates
+# its own segment with O_CREAT | O_EXCL (shm.cpp `SHMManager::init_shm`) and unlinks them only in
+# `~SHMManager`, i.e. in the static destructors of a normal process exit: Ray kills its workers, and
+# a signal or `os._exit` skips those destructors, so the segments outlive the run and the next TP > 1
+# run on the machine fails with "create shm in SHMManager failed. errno: 17"; two runs at once collide.
+# vlrl names the segments after its run instead (`cpu_shm_ident`: the driver's run id, the world's
+# master port and the engine's number in its process), removes an engine's segments when it closes
+# (`remove_cpu_shm`) and the driver removes whatever its run left (`remove_run_cpu_shm`).
+# Names: one path component (no "/"), at most NAME_MAX = 255 bytes on Linux (longer: ENAMETOOLONG;
+# macOS allows 31); vlrl's ident is about 20 characters of [a-z0-9-].
+SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps the segments (Linux)
+RUN_ID_ENV = "VLRL_RUN_ID"  # set by the driver (vlrl.trainer.main), passed to the rank workers
+SHM_PREFIX = "vlrl-"
+_shm_ident: str | None = None  # the ident of the engine being built in this process
+_shm_engines = 0  # engines built in this process (TP peers build theirs in the same order)
+_shm_patched = False
+
+
+def new_run_id() -> str:
+    """A fresh run id: 8 hex digits (a collision of two live runs on a machine needs the same id
+    *and* the same master port)."""
+    import secrets
+
+    return secrets.token_hex(4)
+
+
+def current_run_id() -> str:
+    """This process's run id (`VLRL_RUN_ID`), made on first use; the driver passes it to its ranks."""
+    return os.environ.setdefault(RUN_ID_ENV, new_run_id())
+
+
+def run_cpu_shm_prefix(run_id: str) -> str:
+    """The start of every segment name of a run."""
+    return f"{SHM_PREFIX}{run_id}-"
+
+
+def cpu_shm_ident(run_id: str, master_port: str | int, engine: int) -> str:
+    """`VLLM_DIST_IDENT` for one engine: unique per run, per torch.distributed world of the run (its
+    master port: the training world and each rollout rank's own in asynchronous mode) and per engine
+    built in the process."""
+    ident = f"{run_cpu_shm_prefix(run_id)}{int(master_port)}-{int(engine)}"
+    if not all(c.isascii() and (c.isalnum() or c == "-") for c in ident) or len(ident) > 64:
+        raise ValueError(f"{RUN_ID_ENV}={run_id!r} must be a short run id of letters, digits and '-'")
+    return ident
+
+
+def next_cpu_shm_ident(tensor_parallel_size: int) -> str:
+    """The ident of the next engine of this process; its TP peers compute the same one.
+
+    The run id comes from `VLRL_RUN_ID` (the driver's, set by the rank worker); without it (an
+    engine built outside the trainer) rank 0 draws one and broadcasts it to the world."""
+    global _shm_engines
+    run_id = os.environ.get(RUN_ID_ENV)
+    if not run_id and tensor_parallel_size > 1:
+        import torch.distributed as dist
+
+        shared = [new_run_id()]
+        dist.broadcast_object_list(shared, src=0)
+        run_id = shared[0]
+    ident = cpu_shm_ident(run_id or new_run_id(), os.environ.get("MASTER_PORT", "0"), _shm_engines)
+    _shm_engines += 1
+    return ident
+
+
+def use_cpu_shm_ident(ident: str) -> None:
+    """Name the shared-memory segments of the next engine built in this process after `ident`.
+
+    Patches (once) `_CPUSHMDistributed.make_group_name` to use `ident` instead of VLLM_DIST_IDENT,
+    which the CPU worker overwrites (see above), and `_CPUSHMDistributed._init_cpu_shm` to name the
+    segment file when its creation fails because it exists."""
+    global _shm_ident, _shm_patched
+    _shm_ident = ident
+    if _shm_patched:
+        return
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    original_name = _CPUSHMDistributed.make_group_name
+    original_init = _CPUSHMDistributed._init_cpu_shm
+
+    def make_group_name(communicator: Any) -> str:
+        if _shm_ident is None:
+            return original_name(communicator)
+        # vLLM's format with our ident in place of os.environ["VLLM_DIST_IDENT"]
+        ranks = "-".join(str(rank) for rank in communicator.ranks)
+        return f"{_shm_ident}-{communicator.unique_name}-[{ranks}]-cpushm"
+
+    def init_cpu_shm(self: Any) -> int:
+        try:
+            return original_init(self)
+        except RuntimeError as exc:
+            if "create shm in SHMManager failed. errno: 17" not in str(exc):
+                raise
+            path = os.path.join(SHM_DIR, f"{self.group_name.lstrip('/')}_{self.communicator.rank}")
+            raise RuntimeError(
+                f"vLLM's CPU all-reduce could not create its shared-memory segment {path}: the file exists "
+                "(errno 17, EEXIST). A run that was killed before it could remove it left it, or another "
+                f"running job uses the same name. If no running job uses it, delete it (rm '{path}') and "
+                "start again."
+            ) from exc
+
+    _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+    _CPUSHMDistributed._init_cpu_shm = init_cpu_shm
+    _shm_patched = True
+
+
+def cpu_shm_segments(prefix: str) -> list[str]:
+    """Paths of the vLLM CPU all-reduce segments whose names start with `prefix`."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    return sorted(
+        os.path.join(SHM_DIR, name) for name in names if name.startswith(prefix) and "-cpushm_" in name
+    )
+
+
+def remove_cpu_shm(prefix: str) -> list[str]:
+    """Unlink the segments whose names start with `prefix` (an engine's ident + "-", or a run's
+    `run_cpu_shm_prefix`); returns the paths removed. Processes that map them keep their mapping:
+    only the names go. Safe to call from every TP peer (a name already gone is skipped)."""
+    removed = []
+    for path in cpu_shm_segments(prefix):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
+
+
+def remove_run_cpu_shm() -> list[str]:
+    """Driver, at exit: unlink what this run's ranks left (a rank killed before its engine closed)
+    on this machine; other runs' segments are never touched. Ranks on other nodes remove their own
+    when their engines close."""
+    run_id = os.environ.get(RUN_ID_ENV)
+    return remove_cpu_shm(run_cpu_shm_prefix(run_id)) if run_id else []

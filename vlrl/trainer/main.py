@@ -7,9 +7,13 @@ print_config=true      print the resolved config (after the file and overrides) 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from types import FrameType
 
 from vlrl.config import ConfigError
+
+_sigterm_received = False  # set by `_raise_on_sigterm`
 
 
 def _usage() -> str:
@@ -36,19 +40,29 @@ def run(argv: list[str]) -> int:
         print(f"[vlrl] config: {note}", file=sys.stderr, flush=True)
     if show:
         return 0
+    from vlrl.rollout.vllm_hooks import RUN_ID_ENV, SHM_DIR, new_run_id, run_cpu_shm_prefix
     from vlrl.trainer.ray_trainer import build_trainer
     from vlrl.trainer.summary import write_summary
 
+    # This run's id: the rank workers name their CPU shared memory after it (vllm_hooks).
+    run_id = os.environ[RUN_ID_ENV] = new_run_id()
+    rollout = config.worker.rollout
+    if config.trainer.device == "cpu" and rollout.name == "vllm" and rollout.tensor_parallel_size > 1:
+        shm = os.path.join(SHM_DIR, run_cpu_shm_prefix(run_id))
+        print(f"[vlrl] run id {run_id} (its vLLM CPU all-reduce shared memory: {shm}*)", file=sys.stderr)
     trainer = None
     try:
         trainer = build_trainer(config)
         history = trainer.fit()
         write_summary(history, config)
     finally:
-        if trainer is not None:
-            trainer.close()
-        _write_ray_timeline(config.trainer.ray_timeline)
-        _stop_ray()
+        try:
+            if trainer is not None:
+                trainer.close()
+            _write_ray_timeline(config.trainer.ray_timeline)
+            _stop_ray()
+        finally:
+            _remove_shared_memory()
     return 0
 
 
@@ -83,8 +97,42 @@ def _stop_ray() -> None:
         ray.shutdown()
 
 
+def _remove_shared_memory() -> None:
+    """Unlink the vLLM CPU all-reduce segments this run's ranks left on this machine (a rank
+    killed before its engine closed: an error, SIGTERM); other runs' are never touched."""
+    from vlrl.rollout.vllm_hooks import remove_run_cpu_shm
+
+    removed = remove_run_cpu_shm()
+    if removed:
+        print(f"[vlrl] removed {len(removed)} shared-memory segment(s) this run's ranks left: "
+              f"{', '.join(removed)}", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM handler: the clean shutdown of Ctrl-C, so that `run`'s `finally` stops the workers
+    and removes the run's shared memory, which the default action (the driver killed at once, the
+    workers killed by Ray) would leave behind. It raises KeyboardInterrupt because that is what a
+    blocking `ray.get` stops on (ray 2.60, python/ray/_raylet.pyx `check_signals`: any other
+    exception from a handler surfaces as a SystemError). A second SIGTERM does not interrupt the
+    shutdown. `start_ray` puts this handler back after `ray.init`, which installs Ray's own."""
+    global _sigterm_received
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _sigterm_received = True
+    print("vlrl: SIGTERM received: stopping the rank workers", file=sys.stderr, flush=True)
+    raise KeyboardInterrupt
+
+
+def _exit_on_sigterm() -> None:
+    """After SIGTERM (whatever the exception it became): exit 143, as a process killed by it."""
+    if _sigterm_received:
+        print("vlrl: terminated by SIGTERM (exit 143); the rank workers are stopped and the latest complete "
+              "checkpoint is kept", file=sys.stderr)  # fmt: skip
+        sys.exit(143)  # 128 + SIGTERM
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         sys.exit(run(sys.argv[1:]))
     except ConfigError as exc:
@@ -93,9 +141,11 @@ def main() -> None:
     except KeyboardInterrupt:
         # Workers and engines are stopped by the `finally` above; an interrupted save is a
         # `.tmp` folder that is never resumed from.
+        _exit_on_sigterm()
         print("vlrl: interrupted; the latest complete checkpoint is kept", file=sys.stderr)
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 (show the cause, not a wall of traces; VLRL_DEBUG=1 shows all)
+        _exit_on_sigterm()
         if os.environ.get("VLRL_DEBUG"):
             raise
         print(

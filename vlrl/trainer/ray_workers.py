@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +40,20 @@ def start_ray(config: PPOConfig) -> None:
     if ray.is_initialized():
         return
     env = {"env_vars": {k: v for k, v in WORKER_ENV.items()}}
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env)
     else:
         # On CPU the ranks are logical: give Ray at least one "CPU" per rank plus the driver.
         num_cpus = max(os.cpu_count() or 1, config.world_size + 1)
         ray.init(num_cpus=num_cpus, runtime_env=env, include_dashboard=False, log_to_driver=True)
+    if callable(sigterm):
+        # ray.init replaces the SIGTERM handler (ray 2.60: `sys.exit` in ray/_private/worker.py
+        # `init`, and for a local cluster "kill Ray's processes, exit 1" in ray/_private/node.py
+        # `_register_shutdown_hooks`); keep the caller's (the CLI's clean shutdown, whose `finally`
+        # stops Ray too).
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def _free_port_and_ip() -> tuple[str, int]:
@@ -178,13 +188,19 @@ class Streaming:
 
 
 def _get(method: str, refs: Any) -> Any:
-    """`ray.get`, with a rank's failure shown by its root cause."""
+    """`ray.get`, with a rank's failure shown by its root cause. With `VLRL_DEBUG` set the Ray
+    error stays chained (`__cause__`), so a traceback shows the worker's own traceback too."""
     try:
         return ray.get(refs)
     except ray.exceptions.RayTaskError as exc:
-        raise WorkerError(f"rank worker failed in {method}: {root_cause(exc)}") from None
+        raise WorkerError(f"rank worker failed in {method}: {root_cause(exc)}") from _debug_cause(exc)
     except ray.exceptions.ActorDiedError as exc:
-        raise WorkerError(f"a rank worker died during {method}: {exc}") from None
+        raise WorkerError(f"a rank worker died during {method}: {exc}") from _debug_cause(exc)
+
+
+def _debug_cause(exc: BaseException) -> BaseException | None:
+    """`exc` under `VLRL_DEBUG` (its traceback is printed), else None (the trace is hidden)."""
+    return exc if os.environ.get("VLRL_DEBUG") else None
 
 
 def start_rank_groups(config: PPOConfig) -> RankRoles:
@@ -193,6 +209,7 @@ def start_rank_groups(config: PPOConfig) -> RankRoles:
     Hybrid (the default): one group, one torch.distributed world. Asynchronous mode
     (`worker.rollout.async_ranks`): the first ranks train in their own world; each of the last
     `async_ranks` ranks holds an engine in a world of its own."""
+    from vlrl.rollout.vllm_hooks import current_run_id
     from vlrl.workers.rank_worker import RankWorker
 
     check_cluster_fits(config, ray.cluster_resources())
@@ -204,12 +221,13 @@ def start_rank_groups(config: PPOConfig) -> RankRoles:
         for i in range(config.world_size)
     ]
     remote_cls = ray.remote(RankWorker)
+    run_id = current_run_id()  # names the engines' CPU shared memory, which the driver removes at exit
 
     def start(rank: int, *args: Any) -> Any:
         gpu = config.trainer.device == "cuda"
         return remote_cls.options(
             scheduling_strategy=strategy[rank], num_cpus=1, num_gpus=1 if gpu else 0
-        ).remote(config, *args)
+        ).remote(config, *args, run_id=run_id)
 
     def address(rank: int) -> tuple[str, int]:
         """A free port on the node where `rank` runs (a task placed there learns it)."""

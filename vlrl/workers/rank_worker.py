@@ -38,11 +38,17 @@ class RankWorker:
         master_addr: str,
         master_port: int,
         role: str = "hybrid",
+        run_id: str | None = None,
     ) -> None:
         """`role`: hybrid (actor, reference and engine here), train (actor and reference only) or
         rollout (the engine only; asynchronous mode, `worker.rollout.async_ranks`). `rank` and
         `world_size` are those of this rank's own torch.distributed world: the training ranks', or
-        a rollout rank's world of one."""
+        a rollout rank's world of one. `run_id`: the driver's, names the engine's CPU shared memory
+        (`vlrl.rollout.vllm_hooks.RUN_ID_ENV`)."""
+        if run_id:
+            from vlrl.rollout.vllm_hooks import RUN_ID_ENV
+
+            os.environ[RUN_ID_ENV] = run_id
         self.config = config
         self.rank, self.world_size, self.role = rank, world_size, role
         _init_process_group(
