@@ -262,3 +262,20 @@ def test_disable_kl_turns_the_kl_loss_off(base: list[str]) -> None:
     config = load_config([*base, "algorithm.use_kl_loss=true", "algorithm.disable_kl=true"])
     assert not config.algorithm.use_kl_loss and not config.use_reference
     assert load_config([*base, "algorithm.use_kl_loss=true"]).algorithm.use_kl_loss
+
+
+def test_paths_the_ranks_open_are_absolute(base: list[str], tmp_path: Path, monkeypatch) -> None:
+    """A Ray worker runs in its raylet's folder, not the driver's: relative local paths that the
+    ranks open (model, checkpoints, tools) are made absolute at start-up; hub ids stay as given."""
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    (tmp_path / "tool.py").write_text("def main(): pass\n")
+    monkeypatch.chdir(tmp_path)
+    config = load_config([*base, "worker.actor.model.model_path=models/tiny", "trainer.save_checkpoint_path=runs/a",
+                          "worker.rollout.multi_turn.tools=[tool.py:main]"])  # fmt: skip
+    assert config.worker.actor.model.model_path == str(tmp_path / "models" / "tiny")
+    assert config.worker.actor.model.tokenizer_path == str(tmp_path / "models" / "tiny")
+    assert config.trainer.save_checkpoint_path == str(tmp_path / "runs" / "a")
+    assert config.worker.rollout.multi_turn.tools == [f"{tmp_path / 'tool.py'}:main"]
+    assert load_config(
+        [*base, "trainer.project_name=p", "trainer.experiment_name=e"]
+    ).trainer.save_checkpoint_path == str(tmp_path / "checkpoints" / "p" / "e")

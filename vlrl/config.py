@@ -650,6 +650,21 @@ class PPOConfig(_Section):
             )
         if self.trainer.device == "auto":
             self.trainer.device = resolve_device(os.environ.get("RAY_ADDRESS"))
+        self._absolute_rank_paths()
+
+    def _absolute_rank_paths(self) -> None:
+        """Local paths the rank workers open, made absolute against the driver's working folder:
+        a Ray worker runs in the folder its raylet started in (`ray start` elsewhere, any other
+        node), where a relative path names nothing or something else. Hub ids and paths that do
+        not exist stay as given (the checks name them)."""
+        model, trainer, mt = self.worker.actor.model, self.trainer, self.worker.rollout.multi_turn
+        model.model_path = _absolute_if_local(model.model_path) or model.model_path
+        model.tokenizer_path = _absolute_if_local(model.tokenizer_path)
+        trainer.save_checkpoint_path = os.path.abspath(trainer.save_checkpoint_path or "")
+        trainer.load_checkpoint_path = _absolute_if_local(trainer.load_checkpoint_path)
+        mt.tools = [_absolute_spec(spec) for spec in mt.tools]
+        mt.tool_config_path = _absolute_if_local(mt.tool_config_path)
+        mt.interaction = _absolute_spec(mt.interaction) if mt.interaction else mt.interaction
 
     def validate(self) -> None:
         """Every cross-field rule, each failure naming the keys and what to change."""
@@ -665,3 +680,16 @@ class PPOConfig(_Section):
         self.validate()
         self.freeze()
         return self
+
+
+def _absolute_if_local(path: str | None) -> str | None:
+    """`path` made absolute when it names an existing local file or folder (else as given)."""
+    return os.path.abspath(path) if path and os.path.exists(path) else path
+
+
+def _absolute_spec(spec: str) -> str:
+    """`file.py:function` with the file made absolute when it exists."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not os.path.exists(path):
+        return _absolute_if_local(spec) or spec
+    return f"{os.path.abspath(path)}:{name}"
