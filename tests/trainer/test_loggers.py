@@ -37,3 +37,41 @@ def test_swanlab_and_mlflow_log_metrics_locally(tmp_path: Path, monkeypatch: pyt
 def test_unknown_logger_is_never_dropped(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown logger 'neptune'"):
         Tracker(["neptune"], "p", "e", str(tmp_path), {})
+
+
+def test_a_step_line_is_printed_without_the_console_logger(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """EasyR1's configs log to file and wandb only: a run still says where it is, once per step."""
+    tracker = Tracker(["file"], "p", "e", str(tmp_path), {})
+    tracker.log({"reward/overall": 0.25, "actor/pg_loss": 0.5}, step=3)
+    tracker.log_generations([{"prompt": "p", "response": "r"}], step=3)
+    tracker.close()
+    err = capsys.readouterr().err
+    assert "[step 3] reward/overall=0.25  pg_loss=0.5" in err and "sample" not in err
+
+
+def test_console_samples_keep_both_ends_of_the_prompt(capsys: pytest.CaptureFixture) -> None:
+    from vlrl.trainer.loggers import ConsoleLogger
+
+    prompt = "QUESTION-7 " + "format boilerplate " * 40 + "END-OF-FORMAT"
+    ConsoleLogger().log_generations([{"prompt": prompt, "response": "r"}], step=1)
+    err = capsys.readouterr().err
+    assert "QUESTION-7" in err and "END-OF-FORMAT" in err and "[...]" in err
+
+
+def test_tensorboard_follows_tensorboard_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    tracker = Tracker(["tensorboard"], "proj", "exp", str(tmp_path / "run"), {})
+    tracker.log({"reward/overall": 0.5}, step=1)
+    tracker.close()
+    assert list((tmp_path / "tb" / "proj" / "exp").glob("events.out.tfevents.*"))  # EasyR1's layout
+    assert not (tmp_path / "run" / "tensorboard").exists()
+
+
+def test_wandb_without_a_key_says_how_to_run_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="WANDB_MODE=offline"):
+        Tracker(["wandb"], "p", "e", str(tmp_path / "run"), {})

@@ -135,7 +135,9 @@ class RewardRunner:
             raise
         self.reward_type, self.where = info["reward_type"], info["where"]
         self.partial_batches = info["partial_batches"]
-        logger.info("started %d reward workers for %s (%s)", self.num_workers, self.where, self.reward_type)
+        calls = "the whole batch per call" if self.whole_batches else "any part of the batch per call"
+        logger.info("started %d reward workers for %s (%s: %s)", self.num_workers, self.where, self.reward_type,
+                    calls if self.reward_type == "batch" else "one sample per call")  # fmt: skip
 
     def _new_worker(self, slot: int) -> WorkerProcess:
         return WorkerProcess(self._ctx, self.config, self.kwargs, slot)

@@ -14,7 +14,11 @@ CONSOLE_KEYS = (
 
 
 class ConsoleLogger:
-    """One compact line per step with the keys people watch."""
+    """One compact line per step with the keys people watch (always on: without "console" in
+    trainer.logger only the generation samples are left out)."""
+
+    def __init__(self, samples: bool = True) -> None:
+        self.samples = samples
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         shown = [f"{key.split('/', 1)[-1] if key.startswith('actor') else key}={metrics[key]:.4g}"
@@ -22,11 +26,20 @@ class ConsoleLogger:
         print(f"[step {step}] " + "  ".join(shown), file=sys.stderr, flush=True)
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
-        for sample in samples[:2]:
-            print(f"[step {step}] sample: {json.dumps(sample, ensure_ascii=False)[:300]}", file=sys.stderr)
+        for sample in samples[: 2 if self.samples else 0]:
+            short = {**sample, "prompt": _middle_cut(str(sample.get("prompt", "")), 240)}
+            print(f"[step {step}] sample: {json.dumps(short, ensure_ascii=False)[:600]}", file=sys.stderr)
 
     def close(self) -> None:
         pass
+
+
+def _middle_cut(text: str, keep: int) -> str:
+    """`text` with its middle cut out when longer than `keep` characters: a format prompt puts the
+    question at the start, the end or in between, so both ends are kept."""
+    if len(text) <= keep:
+        return text
+    return text[: keep // 2] + " [...] " + text[-keep // 2 :]
 
 
 class FileLogger:
@@ -61,7 +74,14 @@ class WandbLogger:
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(project=project, name=name, config=config, dir=folder)
+        try:
+            self.run = wandb.init(project=project, name=name, config=config, dir=folder)
+        except wandb.errors.UsageError as exc:  # e.g. "No API key configured"
+            raise RuntimeError(
+                f"trainer.logger includes wandb, which failed to start: {exc}. Log in (`wandb login`), set "
+                "WANDB_MODE=offline to keep the run's logs locally (sync them later), or drop wandb from "
+                "trainer.logger"
+            ) from exc
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -79,10 +99,16 @@ class WandbLogger:
 
 
 class TensorboardLogger:
-    def __init__(self, folder: str) -> None:
+    """TensorBoard event files in `$TENSORBOARD_DIR/<project>/<experiment>` when TENSORBOARD_DIR is
+    set (EasyR1's layout), else in the run's folder (`tensorboard/`)."""
+
+    def __init__(self, folder: str, project: str = "", experiment: str = "") -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(os.path.join(folder, "tensorboard"))
+        root = os.environ.get("TENSORBOARD_DIR")
+        self.folder = os.path.join(root, project, experiment) if root else os.path.join(folder, "tensorboard")
+        print(f"[vlrl] tensorboard logs: {self.folder}", file=sys.stderr, flush=True)
+        self.writer = SummaryWriter(self.folder)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
@@ -171,7 +197,7 @@ class Tracker:
     def __init__(
         self, names: list[str], project: str, experiment: str, folder: str, config: dict[str, Any]
     ) -> None:
-        self.loggers: list[Any] = []
+        self.loggers: list[Any] = [] if "console" in names else [ConsoleLogger(samples=False)]
         for name in names:
             if name == "console":
                 self.loggers.append(ConsoleLogger())
@@ -180,7 +206,7 @@ class Tracker:
             elif name == "wandb":
                 self.loggers.append(WandbLogger(project, experiment, config, folder))
             elif name == "tensorboard":
-                self.loggers.append(TensorboardLogger(folder))
+                self.loggers.append(TensorboardLogger(folder, project, experiment))
             elif name == "swanlab":
                 self.loggers.append(SwanlabLogger(project, experiment, config, folder))
             elif name == "mlflow":

@@ -130,8 +130,22 @@ def _exit_on_sigterm() -> None:
         sys.exit(143)  # 128 + SIGTERM
 
 
+def _show_vlrl_logs() -> None:
+    """vlrl's own log lines (rows loaded and filtered, reward workers started, warnings) on stderr,
+    whatever the other libraries' logging does."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[vlrl] %(message)s"))
+    package = logging.getLogger("vlrl")
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+    package.propagate = False
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _show_vlrl_logs()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         sys.exit(run(sys.argv[1:]))

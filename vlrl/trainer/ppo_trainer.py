@@ -453,7 +453,7 @@ class PPOTrainer:
     def _generation_samples(self, batch: RolloutBatch) -> list[dict[str, Any]]:
         lengths = batch.attention_mask[:, batch.prompt_length :].sum(-1).tolist()  # multi-turn: all turns
         return [
-            {"prompt": prompt[-200:], "response": self.tokenizer.decode(row[:n], skip_special_tokens=True),
+            {"prompt": prompt, "response": self.tokenizer.decode(row[:n], skip_special_tokens=True),
              "ground_truth": truth, "score": parts.get("overall")}
             for prompt, row, n, truth, parts in zip(batch.prompts, batch.responses.tolist(), lengths,
                                                      batch.ground_truths, batch.scored_parts())
