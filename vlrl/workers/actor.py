@@ -28,6 +28,7 @@ import copy
 import logging
 import os
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -63,7 +64,8 @@ LOSS_METRICS = ("pg_loss", "kl_loss")
 class _UpdateStats:
     """Sums that become the update's metrics (reduced over ranks once, at the end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, with_kl_loss: bool) -> None:
+        self.with_kl_loss = with_kl_loss  # actor/kl_loss is logged only when there is one
         self.token_sums = dict.fromkeys(TOKEN_METRICS, 0.0)  # token-mean x local tokens
         self.tokens = 0.0
         self.losses = dict.fromkeys(LOSS_METRICS, 0.0)  # this rank's share of each mini-batch loss
@@ -85,7 +87,8 @@ class _UpdateStats:
         tokens = max(sums[len(TOKEN_METRICS)], 1.0)
         out = {f"actor/{k}": v / tokens for k, v in zip(TOKEN_METRICS, sums)}
         for k, v in zip(LOSS_METRICS, sums[len(TOKEN_METRICS) + 1 :]):
-            out[f"actor/{k}"] = v / max(self.steps, 1)
+            if k != "kl_loss" or self.with_kl_loss:
+                out[f"actor/{k}"] = v / max(self.steps, 1)
         finite = [g for g in self.grad_norms if np.isfinite(g)]
         # nan only when a step was attempted and every norm was non-finite; 0 when none was taken
         out["actor/grad_norm"] = (
@@ -202,7 +205,7 @@ class Actor:
         if self.offload_optimizer:
             move_optimizer_state(self.optimizer, model.device)
         model.module.train()
-        stats = _UpdateStats()
+        stats = _UpdateStats(with_kl_loss=self.algorithm.use_kl_loss)
         image_anchor = model.any_rank_has_media(batch)
         size = max(self.samples_per_minibatch, 1)
         minis = [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
@@ -315,7 +318,7 @@ class Actor:
         """Clip, step (or skip a non-finite step) and advance the LR schedule."""
         stats.lrs.append(self.optimizer.param_groups[0]["lr"])
         norm, skipped = clip_and_step(self.optimizer, self.params, self.cfg.max_grad_norm)
-        self.scheduler.step()
+        self._advance_schedule()
         self.global_step += 1
         stats.steps += 1
         stats.grad_norms.append(norm)
@@ -331,10 +334,17 @@ class Actor:
         """Drop the accumulated gradient; the LR schedule and step counts still advance."""
         stats.lrs.append(self.optimizer.param_groups[0]["lr"])
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self._advance_schedule()
         self.global_step += 1
         stats.steps += 1
         stats.no_advantage += 1
+
+    def _advance_schedule(self) -> None:
+        """One LR-schedule step. A skipped optimizer step advances it on purpose, which torch warns
+        about (once per rank) when no optimizer step came before: that warning is dropped."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            self.scheduler.step()
 
     # -------------------------------------------------------------------------- placement
     def offload_to_cpu(self) -> None:
