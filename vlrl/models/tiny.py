@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2")
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2", "qwen3")
+TEXT_ARCHS = ("qwen2", "qwen3")
 VISION_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
 # Mixture-of-experts text decoder of the `qwen3_vl_moe` arch: every layer sparse, top-k routing.
 MOE_EXPERTS, MOE_TOP_K = 4, 2
@@ -102,11 +103,16 @@ def _corpus(tool_tokens: bool = False) -> list[str]:
 
 # Qwen2.5/3's tool-call markers, added (not special: they survive decoding) with `tool_tokens=True`.
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+# Reasoning-format tags as single tokens (Qwen3's tokenizers have <think> and </think> so), added
+# with `reasoning_tokens=True`: a tiny model learns an answer format made of a few symbols far
+# faster than one spelled out in characters.
+REASONING_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
-def build_tokenizer(vocab_size: int, tool_tokens: bool = False):
+def build_tokenizer(vocab_size: int, tool_tokens: bool = False, reasoning_tokens: bool = False):
     """A byte-level BPE trained on `_corpus()`, with the Qwen special tokens appended (then, with
-    `tool_tokens`, the tool-call markers as two more tokens: the trained vocabulary is unchanged)."""
+    `tool_tokens` / `reasoning_tokens`, the tool-call markers / reasoning tags as more tokens: the
+    trained vocabulary is unchanged)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -122,6 +128,8 @@ def build_tokenizer(vocab_size: int, tool_tokens: bool = False):
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     if tool_tokens:
         tok.add_tokens(list(TOOL_TOKENS))
+    if reasoning_tokens:
+        tok.add_tokens(list(REASONING_TOKENS))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -157,10 +165,10 @@ def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=False,
     )
-    if arch == "qwen2":
-        return AutoConfig.for_model(
-            "qwen2", **text, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
-        )
+    if arch in TEXT_ARCHS:
+        if arch == "qwen3":  # Qwen3 sets head_dim itself (and normalises q and k per head)
+            text["head_dim"] = head_dim
+        return AutoConfig.for_model(arch, **text, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     # mrope splits head_dim/2 rotary frequencies over (temporal, height, width).
     half = head_dim // 2
     section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
@@ -234,10 +242,12 @@ def build_tiny_model(
     min_pixels: int = 28 * 28 * 4,
     max_pixels: int = 28 * 28 * 64,
     tool_tokens: bool = False,
+    reasoning_tokens: bool = False,
 ) -> Path:
     """Write a loadable model folder for `arch` into `out_dir` and return its path.
 
-    `tool_tokens`: add `<tool_call>` / `</tool_call>` as single tokens (multi-turn rollouts)."""
+    `tool_tokens`: add `<tool_call>` / `</tool_call>` as single tokens (multi-turn rollouts);
+    `reasoning_tokens`: add `<think>`, `</think>`, `<answer>`, `</answer>` as single tokens."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
     from vlrl.models.moe import write_checkpoint_layout
@@ -249,11 +259,11 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dims = SIZES[size]
-    tokenizer = build_tokenizer(dims.vocab, tool_tokens)
+    tokenizer = build_tokenizer(dims.vocab, tool_tokens, reasoning_tokens)
     ids = _token_ids(tokenizer)
     config = build_config(arch, dims, len(tokenizer), ids)
     torch.manual_seed(seed)
-    model_cls = AutoModelForCausalLM if arch == "qwen2" else AutoModelForImageTextToText
+    model_cls = AutoModelForCausalLM if arch in TEXT_ARCHS else AutoModelForImageTextToText
     model = model_cls.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"],
@@ -267,7 +277,8 @@ def build_tiny_model(
         build_processor(arch, tokenizer, min_pixels, max_pixels).save_pretrained(out)
     else:
         tokenizer.save_pretrained(out)
-    info = {"arch": arch, "size": size, "seed": seed, **({"tool_tokens": True} if tool_tokens else {})}
+    options = {"tool_tokens": tool_tokens, "reasoning_tokens": reasoning_tokens}
+    info = {"arch": arch, "size": size, "seed": seed, **{k: True for k, v in options.items() if v}}
     (out / "vlrl_tiny.json").write_text(json.dumps(info))
     return out
 
