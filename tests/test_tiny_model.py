@@ -7,16 +7,13 @@ import pytest
 import torch
 from PIL import Image
 
-from vlrl.models.tiny import SPECIAL_TOKENS, VISION_ARCHS, build_tiny_model
+from vlrl.models.tiny import ARCHS, SPECIAL_TOKENS, VISION_ARCHS, build_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {
-        arch: build_tiny_model(root / arch, arch=arch)
-        for arch in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2")
-    }
+    return {arch: build_tiny_model(root / arch, arch=arch) for arch in ARCHS}
 
 
 def _inputs(arch: str, path: Path):
@@ -37,7 +34,7 @@ def _inputs(arch: str, path: Path):
     return tokenizer, text, tokenizer(text, return_tensors="pt")
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_transformers_round_trip(tiny_dirs: dict[str, Path], arch: str) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -161,3 +158,23 @@ def test_moe_folder_holds_qwen_expert_layout_and_passes_the_engine_check(tiny_di
     with pytest.raises(ValueError, match="norm_topk_prob"):
         check_engine_config(config)
     check_engine_config(AutoConfig.from_pretrained(tiny_dirs["qwen3_vl"]))  # dense: nothing to check
+
+
+def test_reasoning_tags_are_single_tokens(tmp_path: Path) -> None:
+    """`reasoning_tokens=True` adds the tags as tokens after the trained vocabulary (unchanged)."""
+    from transformers import AutoTokenizer
+
+    plain = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "plain", arch="qwen3"))
+    tagged = AutoTokenizer.from_pretrained(
+        build_tiny_model(tmp_path / "tagged", arch="qwen3", reasoning_tokens=True)
+    )
+    text = "<think> 1 + 1 </think><answer>2</answer>"
+    ids = tagged(text)["input_ids"]
+    assert [tagged.decode([i]) for i in ids if i >= len(plain)] == [
+        "<think>",
+        "</think>",
+        "<answer>",
+        "</answer>",
+    ]
+    assert tagged("red circle")["input_ids"] == plain("red circle")["input_ids"]
+    assert tagged.decode(ids) == text
