@@ -269,13 +269,15 @@ def test_paths_the_ranks_open_are_absolute(base: list[str], tmp_path: Path, monk
     ranks open (model, checkpoints, tools) are made absolute at start-up; hub ids stay as given."""
     (tmp_path / "models" / "tiny").mkdir(parents=True)
     (tmp_path / "tool.py").write_text("def main(): pass\n")
+    (tmp_path / "fmt.jinja").write_text("{{ content }}")
     monkeypatch.chdir(tmp_path)
     config = load_config([*base, "worker.actor.model.model_path=models/tiny", "trainer.save_checkpoint_path=runs/a",
-                          "worker.rollout.multi_turn.tools=[tool.py:main]"])  # fmt: skip
+                          "worker.rollout.multi_turn.tools=[tool.py:main]", "data.format_prompt=fmt.jinja"])  # fmt: skip
     assert config.worker.actor.model.model_path == str(tmp_path / "models" / "tiny")
     assert config.worker.actor.model.tokenizer_path == str(tmp_path / "models" / "tiny")
     assert config.trainer.save_checkpoint_path == str(tmp_path / "runs" / "a")
     assert config.worker.rollout.multi_turn.tools == [f"{tmp_path / 'tool.py'}:main"]
+    assert config.data.format_prompt == str(tmp_path / "fmt.jinja")  # multi-turn tool turns render it
     assert load_config(
         [*base, "trainer.project_name=p", "trainer.experiment_name=e"]
     ).trainer.save_checkpoint_path == str(tmp_path / "checkpoints" / "p" / "e")

@@ -653,11 +653,14 @@ class PPOConfig(_Section):
         self._absolute_rank_paths()
 
     def _absolute_rank_paths(self) -> None:
-        """Local paths the rank workers open, made absolute against the driver's working folder:
+        """Local paths the rank workers open (model, checkpoints, tools, and the format prompt and
+        image folder of multi-turn tool turns), made absolute against the driver's working folder:
         a Ray worker runs in the folder its raylet started in (`ray start` elsewhere, any other
         node), where a relative path names nothing or something else. Hub ids and paths that do
         not exist stay as given (the checks name them)."""
         model, trainer, mt = self.worker.actor.model, self.trainer, self.worker.rollout.multi_turn
+        self.data.format_prompt = _absolute_if_local(self.data.format_prompt)  # tool turns render it
+        self.data.image_dir = _absolute_if_local(self.data.image_dir)
         model.model_path = _absolute_if_local(model.model_path) or model.model_path
         model.tokenizer_path = _absolute_if_local(model.tokenizer_path)
         trainer.save_checkpoint_path = os.path.abspath(trainer.save_checkpoint_path or "")
