@@ -42,6 +42,7 @@ DATASETS = {
 # hub model id -> tiny arch of the same family
 MODELS = {
     "Qwen/Qwen2.5-7B-Instruct": "qwen2",
+    "Qwen/Qwen2.5-3B-Instruct": "qwen2",  # vlrl's calculator example
     "Qwen/Qwen3-4B": "qwen3",
     "Qwen/Qwen3-14B-Base": "qwen3",
     "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2_5_vl",
@@ -106,9 +107,9 @@ def _image_cell(rng: random.Random, index: int, name: str) -> dict[str, Any]:
 def build_warm_model(folder: Path, arch: str) -> Path:
     from vlrl.models.tiny import build_tiny_model
 
-    build_tiny_model(
-        folder, arch=arch, seed=0, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16, reasoning_tokens=True
-    )
+    # Qwen2.5's and Qwen3's tokenizers have <tool_call> tokens (vlrl's multi-turn examples need them)
+    build_tiny_model(folder, arch=arch, seed=0, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16,
+                     tool_tokens=True, reasoning_tokens=True)  # fmt: skip
     teach_answer_forms(folder, arch)
     return folder
 

@@ -1,0 +1,79 @@
+"""Every `examples/*.yaml` runs as its header says, from a folder laid out like this repository:
+its data made by the example's own prepare script (or, for the multi-image recipe, by
+examples/data/make_multi_image.py), hub ids as local folders (`recipe_assets`), then the real CLI
+for 2 steps with one validation and one checkpoint save, sizes shrunk for a 2-core CPU
+(`recipe_runs.cpu_sizes`; the quickstart and the multi-turn demo are CPU-sized already and keep
+their lengths and pixels).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from recipe_runs import REPO, cpu_sizes, given, run_command
+
+from vlrl.config_loader import load_config
+
+pytestmark = pytest.mark.slow
+
+# example -> (commands that make its data, run from the folder; CPU-sized already)
+EXAMPLES: dict[str, tuple[list[list[str]], bool]] = {
+    "quickstart.yaml": ([["examples/prepare_quickstart.py"]], True),
+    "multi_turn_demo.yaml": ([["examples/prepare_multi_turn_demo.py", "--warmup-steps", "10"]], True),
+    "qwen2_5_3b_gsm8k_calculator.yaml": ([["examples/prepare_gsm8k.py", "--synthetic", "16", "--out", "data/gsm8k"]], False),
+    "qwen2_5_vl_3b_geo3k_grpo.yaml": ([], False),
+    "qwen2_5_vl_3b_multi_image.yaml": ([["examples/data/make_multi_image.py", "data/multi_image", "--n-train", "8", "--n-val", "4"]], False),
+    "qwen2_5_vl_7b_dapo.yaml": ([], False),
+    "qwen2_5_vl_7b_geo3k_grpo.yaml": ([], False),
+    "qwen2_5_vl_7b_geo3k_zoom.yaml": (
+        [["examples/prepare_zoom_data.py", "--source", f"hiyouga/geometry3k@{split}", "--out", f"data/geo3k_zoom/{split}.jsonl"]
+         for split in ("train", "test")],
+        False,
+    ),
+}  # fmt: skip
+
+
+def test_every_example_is_in_the_matrix() -> None:
+    assert sorted(EXAMPLES) == sorted(p.name for p in (REPO / "examples").glob("*.yaml"))
+
+
+@pytest.fixture
+def repo_dir(easyr1_assets: Path, tmp_path: Path) -> Path:
+    """A folder laid out like this repository (examples/, format_prompts/, reward_functions/), with
+    the hub ids of the recipes as local folders."""
+    for name in ("examples", "format_prompts", "reward_functions"):
+        (tmp_path / name).symlink_to(REPO / name, target_is_directory=True)
+    for owner in ("hiyouga", "Qwen"):
+        (tmp_path / owner).symlink_to(easyr1_assets / owner, target_is_directory=True)
+    return tmp_path
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_example_runs(example: str, repo_dir: Path, ray_address: str) -> None:
+    prepare, cpu_sized = EXAMPLES[example]
+    for command in prepare:
+        done = subprocess.run([sys.executable, *command], cwd=repo_dir, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+    args = [f"config=examples/{example}"]
+    defaults = load_config([f"config={REPO / 'examples' / example}"], finalize=False).to_dict()
+    args += cpu_sizes(args, defaults, lengths=not cpu_sized)
+    proc = run_command(repo_dir, args, ray_address)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    value: Any = lambda key: given(args, key, defaults)  # noqa: E731
+    run = repo_dir / (
+        value("trainer.save_checkpoint_path")
+        or f"checkpoints/{value('trainer.project_name')}/{value('trainer.experiment_name')}"
+    )
+    assert (run / "global_step_2" / "actor").is_dir() and not list(run.glob("*.tmp"))
+    if "file" in value("trainer.logger"):
+        rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+        assert [row["step"] for row in rows if "reward/overall" in row] == [1, 2]
+        assert sum("val/overall" in row for row in rows) == 1
+    else:  # the console's step lines
+        assert "[step 2] reward/overall=" in proc.stderr
+        assert "val/overall=" in proc.stderr.split("[step 2] reward/overall=", 1)[1]
