@@ -418,7 +418,8 @@ class RolloutConfig(_Section):
     actor is then not scoring the policy that sampled (stale weights, a different distribution).
     bf16 engines typically differ by ~0.01."""
     disable_tqdm: bool = False
-    """Hide the engine's per-call progress bar (shown on rank 0 only)."""
+    """Hide the engine's per-call progress bar (shown on rank 0 only, and only when the driver
+    writes to a terminal or VLRL_DEBUG is set: piped into a log, each bar is a few lines per call)."""
     disable_log_stats: bool = True
     """Keep vLLM from logging its engine statistics (throughput, KV-cache use) periodically."""
     sync_bucket_mb: int = 256

@@ -38,6 +38,7 @@ from vlrl.rollout.base import (
 from vlrl.rollout.output import assemble_rollout_batch
 from vlrl.rollout.vllm_inputs import ImageIds, vllm_request
 from vlrl.rollout.weight_sync import checkpoint_name, checkpoint_tensor
+from vlrl.utils.library_logs import progress_bars_wanted
 
 VLLM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                "fp32": "float32", "float32": "float32"}  # fmt: skip
@@ -196,7 +197,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.on_gpu = torch.cuda.is_available()
         self.sleep_enabled = bool(config.enable_sleep_mode) and self.on_gpu  # refused on CPU by vLLM
         self.use_v2 = vllm_hooks.uses_v2_runner()
-        self.show_progress = self.rank == 0 and not config.disable_tqdm  # vLLM's per-call progress bar
+        # vLLM's per-call progress bar: rank 0, asked for, and someone watching (library_logs)
+        self.show_progress = self.rank == 0 and not config.disable_tqdm and progress_bars_wanted()
         # V2 runner, calls without a seed: the engine's own stream of call seeds (TP peers agree).
         self._call_seeds = random.Random(config.seed + self.dp_rank)
         self.image_ids = ImageIds()

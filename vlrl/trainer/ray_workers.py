@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vlrl.config import PPOConfig
 from vlrl.trainer.ranks import RankRoles, check_one_per_rank
+from vlrl.utils.library_logs import worker_log_env
 
 # Engines run inside the rank's process (SPMD); tests and CPU runs want quiet, offline workers.
 WORKER_ENV = {
@@ -28,6 +29,7 @@ WORKER_ENV = {
     "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
     "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
     "RAY_DEDUP_LOGS": "1",
+    **worker_log_env(),
 }
 
 

@@ -20,6 +20,7 @@ from vlrl.experience import ExperienceStore
 from vlrl.image_refs import ImageRefs
 from vlrl.protocol import ROW_FIELDS, FinishedGroups, KeptRows, PromptBatch, RolloutBatch
 from vlrl.rollout.weight_broadcast import WeightBroadcast
+from vlrl.utils.library_logs import quiet_library_logs
 
 if TYPE_CHECKING:
     from vlrl.rollout.base import RolloutEngine
@@ -45,6 +46,7 @@ class RankWorker:
         `world_size` are those of this rank's own torch.distributed world: the training ranks', or
         a rollout rank's world of one. `run_id`: the driver's, names the engine's CPU shared memory
         (`vlrl.rollout.vllm_hooks.RUN_ID_ENV`)."""
+        quiet_library_logs()
         if run_id:
             from vlrl.rollout.vllm_hooks import RUN_ID_ENV
 
