@@ -114,7 +114,7 @@ def measure(actor: Actor, batch: RolloutBatch, timer: ExchangeTimer) -> tuple[in
     dist.barrier()
     start = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
-        actor.forward_backward(batch, _UpdateStats(), image_anchor=False)
+        actor.forward_backward(batch, _UpdateStats(with_kl_loss=True), image_anchor=False)
     seconds = time.perf_counter() - start
     actor.optimizer.zero_grad(set_to_none=True)
     return probe.bytes, seconds, timer.seconds

@@ -91,7 +91,7 @@ def check_gradients(actor: Actor, batch: RolloutBatch, model_dir: str, rank: int
         actor.cfg.loss_avg_mode = mode.split("-dynamic")[0]
         actor.model.spec = replace(actor.model.spec, dynamic_batching=mode.endswith("dynamic"))
         actor.model.module.train()
-        actor.forward_backward(mine, actor_module._UpdateStats(), image_anchor=True)
+        actor.forward_backward(mine, actor_module._UpdateStats(with_kl_loss=True), image_anchor=True)
         grads = gathered_grads(actor.model.module)
         norm = global_grad_norm(actor.params)
         # torch's own clip_grad_norm_ on DTensor grads (what the brief asked to check); inf: no clipping

@@ -104,7 +104,7 @@ def check_gradient_checkpointing(model_dir: str, results: dict[str, Any]) -> Non
         results[f"ckpting_layers/{flag}"] = sum(
             bool(getattr(m, "gradient_checkpointing", False)) for m in actor.model.module.modules()
         )
-        actor.forward_backward(batch, _UpdateStats(), image_anchor=True)
+        actor.forward_backward(batch, _UpdateStats(with_kl_loss=True), image_anchor=True)
         grads.append(gathered_grads(actor.model.module))
     results["ckpting_grad_err"] = max(float((grads[0][k] - grads[1][k]).abs().max()) for k in grads[0])
 

@@ -117,7 +117,7 @@ def check_gradient_checkpointing(model_dir: str, processor, batch, rank: int, re
                 if "lora_B" in name:
                     p.add_(0.01)
         actor.model.module.train()
-        actor.forward_backward(mine, _UpdateStats(), image_anchor=True)
+        actor.forward_backward(mine, _UpdateStats(with_kl_loss=True), image_anchor=True)
         grads[flag] = gathered_grads(actor.model.module)
         results[f"ckpting_layers/{flag}"] = sum(
             bool(getattr(m, "gradient_checkpointing", False)) for m in actor.model.module.modules()

@@ -87,6 +87,9 @@ def test_update_metrics_and_weights_equal(job):
     for name in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
         assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-7), name
     assert job["weights_moved"] > 1e-4
-    # Adam's first step is lr * g / (|g| + 1e-8): entries whose gradient is at rounding level
-    # (~1e-8) may move differently by a fraction of lr (1e-3); everything else moves the same
-    assert job["weights_err"] < 5e-5
+    # Adam's first step is lr * g / (|g| + 1e-8): weights whose gradient is well above 1e-8 move
+    # the same to float rounding; those at rounding level may move differently by up to lr (1e-3),
+    # depending on the gradient's reduction order (it varies from run to run: this bound is not a
+    # tolerance, it is Adam's step size)
+    assert job["weights_err"] < 1e-6
+    assert job["weights_err_near_eps"] <= 1e-3 * (1 + 1e-6)
