@@ -143,3 +143,6 @@ def test_relative_paths_from_the_data_folder_or_the_working_directory(tmp_path, 
         ImageProblem, match=r"imgs/c.png does not exist \(nor .*run/imgs/c.png, from the working"
     ):
         check_exists("imgs/c.png", str(data_dir))
+    # a hub-style parquet's {path} cell: the message names the folder paths are joined to, and the key
+    with pytest.raises(ImageProblem, match=r"are joined to .*data: set data.image_dir to the folder"):
+        check_exists({"path": "imgs/d.png", "bytes": None}, str(data_dir))

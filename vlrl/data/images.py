@@ -80,8 +80,14 @@ def check_exists(value: Any, image_dir: str) -> None:
     if os.path.isdir(path):
         raise ImageProblem(f"image path {path} is a directory, not an image file")
     if not os.path.isfile(path):
-        relative = isinstance(value, (str, os.PathLike)) and not os.path.isabs(os.fspath(value))
-        also = f" (nor {os.path.abspath(os.fspath(value))}, from the working directory)" if relative else ""
+        given = value.get("path") if isinstance(value, dict) else value
+        relative = isinstance(given, (str, os.PathLike)) and not os.path.isabs(os.fspath(given))
+        also = (
+            f" (nor {os.path.abspath(os.fspath(given))}, from the working directory); relative image paths "
+            f"are joined to {image_dir}: set data.image_dir to the folder they are relative to"
+            if relative
+            else ""
+        )
         raise ImageProblem(f"image file {path} does not exist{also}")
 
 
