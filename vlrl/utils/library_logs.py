@@ -45,6 +45,8 @@ def quiet_library_logs() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated")
     # "No CUDA runtime is found, using CUDA_HOME=..." on every CPU rank
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    # "Triton is installed, but doesn't include CPU backend", logged at import, before vLLM's
-    # logging (VLLM_LOGGING_LEVEL) is set up
+    # vLLM's own loggers, also where its logging set-up does not run (a worker joining a running
+    # cluster printed its warnings raw), and messages logged at import before that set-up
+    # ("Triton is installed, but doesn't include CPU backend")
+    logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "ERROR").upper())
     logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
