@@ -81,11 +81,11 @@ def check_exists(value: Any, image_dir: str) -> None:
         raise ImageProblem(f"image path {path} is a directory, not an image file")
     if not os.path.isfile(path):
         given = value.get("path") if isinstance(value, dict) else value
-        relative = isinstance(given, (str, os.PathLike)) and not os.path.isabs(os.fspath(given))
+        given_path = os.fspath(given) if isinstance(given, (str, os.PathLike)) else None
         also = (
-            f" (nor {os.path.abspath(os.fspath(given))}, from the working directory); relative image paths "
+            f" (nor {os.path.abspath(given_path)}, from the working directory); relative image paths "
             f"are joined to {image_dir}: set data.image_dir to the folder they are relative to"
-            if relative
+            if given_path is not None and not os.path.isabs(given_path)
             else ""
         )
         raise ImageProblem(f"image file {path} does not exist{also}")
