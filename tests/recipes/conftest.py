@@ -9,10 +9,12 @@ import pytest
 from recipe_assets import easyr1_workdir
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
-    """One local Ray cluster that every run joins through RAY_ADDRESS, as runs on a cluster do: a
-    run then skips the ~10 s of starting its own. Stopped with the session."""
+    """One local Ray cluster that every run of a module joins through RAY_ADDRESS, as runs on a
+    cluster do: a run then skips the ~10 s of starting its own. Stopped with the module, so the
+    test process is Ray-free again for the tests after it (in-process rank workers check
+    `ray.is_initialized()`)."""
     import ray
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
