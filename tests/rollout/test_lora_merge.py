@@ -56,6 +56,17 @@ def test_exclude_modules_regex(tiny_model):
     assert any(".layers.1." in n for n in adapted)
 
 
+def test_easyr1_visual_exclusion_on_a_text_model_is_quiet(tiny_model):
+    """EasyR1's config excludes `.*visual.*`; a text model has no such module: every linear layer
+    gets an adapter and peft has nothing to warn about (it warned on every rank)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = _lora(tiny_model("qwen2"), exclude_modules=".*visual.*")
+    assert any(".layers.0.self_attn.q_proj" in n for n in _adapted(model))
+
+
 def test_no_matching_module_fails_clearly(tiny_model):
     with pytest.raises(ValueError, match="no module of .* got an adapter"):
         _lora(tiny_model("qwen2"), target_modules="no_such_proj")

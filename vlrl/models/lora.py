@@ -54,9 +54,16 @@ def exclude_pattern(model: torch.nn.Module, cfg: LoraConfig) -> str | None:
     if tower is not None:
         name = next(n for n, m in model.named_modules() if m is tower)
         parts.append(rf"{re.escape(name)}(\..*)?")
-    if cfg.exclude_modules:
+    if cfg.exclude_modules and (tower is not None or _matches_a_module(model, cfg.exclude_modules)):
+        # (EasyR1's config excludes `.*visual.*`, which a text model does not have: passing it on
+        # would change nothing but a peft warning on every rank)
         parts.append(cfg.exclude_modules)
     return "|".join(f"(?:{p})" for p in parts) or None
+
+
+def _matches_a_module(model: torch.nn.Module, pattern: str) -> bool:
+    regex = re.compile(pattern)
+    return any(regex.fullmatch(name) for name, _ in model.named_modules())
 
 
 def peft_config(model: torch.nn.Module, cfg: LoraConfig) -> Any:
