@@ -68,7 +68,7 @@ def _shapes_row(rng: random.Random, task: str, size: int) -> tuple[Image.Image, 
     return image, QUESTIONS[task], colour if task == "colour" else shape
 
 
-def _write_split(out: Path, split: str, rows: list[tuple[list[Image.Image], str, str, dict]]) -> Path:
+def write_split(out: Path, split: str, rows: list[tuple[list[Image.Image], str, str, dict]]) -> Path:
     (out / "images").mkdir(parents=True, exist_ok=True)
     path = out / f"{split}.jsonl"
     with open(path, "w", encoding="utf-8") as f:
@@ -104,7 +104,7 @@ def make_shapes_dataset(
         for _ in range(n):
             image, question, answer = _shapes_row(rng, task, image_size)
             rows.append(([image], question, answer, {"task": task}))
-        paths.append(_write_split(out, split, rows))
+        paths.append(write_split(out, split, rows))
     return paths[0], paths[1]
 
 
@@ -124,7 +124,7 @@ def make_multi_image_dataset(
             images = [draw_shapes(rng, image_size, 1, colour)[0] for colour in colours]
             problem = "<image><image>Which image is red, first or second?"
             rows.append((images, problem, "first" if red_first else "second", {"task": "multi_image"}))
-        paths.append(_write_split(out, split, rows))
+        paths.append(write_split(out, split, rows))
     return paths[0], paths[1]
 
 
