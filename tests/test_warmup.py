@@ -25,15 +25,21 @@ def warmed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[s
     return model, val, stats
 
 
-def _next_token_probs(model_dir: Path, rows: list[dict], data_dir: Path, suffix: str) -> torch.Tensor:
-    """[rows, vocab] probabilities of the token after prompt + `suffix`."""
+REASONING_STEPS = 150
+
+
+def _next_token_probs(
+    model_dir: Path, rows: list[dict], data_dir: Path, suffix: str | list[str], format_prompt: str = FORMAT
+) -> torch.Tensor:
+    """[rows, vocab] probabilities of the token after prompt + `suffix` (or each row's own suffix)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
     processor.tokenizer.padding_side = "left"
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    chat, fmt = ChatFormatter(processor.tokenizer, processor), FormatPrompt(FORMAT)
-    texts = [chat(fmt.render(r["problem"])) + suffix for r in rows]
+    chat, fmt = ChatFormatter(processor.tokenizer, processor), FormatPrompt(format_prompt)
+    suffixes = [suffix] * len(rows) if isinstance(suffix, str) else suffix
+    texts = [chat(fmt.render(r["problem"])) + end for r, end in zip(rows, suffixes, strict=True)]
     images = [[Image.open(data_dir / p).convert("RGB") for p in r["images"]] for r in rows]
     with torch.no_grad():
         logits = model(**processor(text=texts, images=images, return_tensors="pt", padding=True)).logits
@@ -83,3 +89,38 @@ def test_text_model_learns_the_form(tmp_path):
     with torch.no_grad():
         probs = AutoModelForCausalLM.from_pretrained(model_dir).forward(ids).logits[0, -1].softmax(-1)
     assert probs[[tokenizer.convert_tokens_to_ids(c) for c in COLOUR_WORDS]].sum() > 0.9
+
+
+def test_reasoning_warm_up_teaches_the_steps_not_the_colour(tmp_path):
+    """The reasoning quickstart's warm-up (worked solutions with a random colour): the model writes
+    the r1v form, but which colour it names does not depend on the image (accuracy at chance)."""
+    from transformers import AutoProcessor
+
+    from vlrl.data.reasoning_task import make_reasoning_dataset, solution_with_random_colour, worked_solution
+    from vlrl.tools.warmup import WarmupSchedule, warm_up_responses
+
+    r1v_prompt = "format_prompts/r1v.jinja"
+    model_dir = build_tiny_model(
+        tmp_path / "model", "qwen2_5_vl", "tiny", 0, 12544, 12544, reasoning_tokens=True
+    )
+    train, val = make_reasoning_dataset(tmp_path / "data", n_train=64, n_val=48, seed=3)
+    # as examples/prepare_reasoning.py does, shorter: the steps without the colour, then with it
+    first = warm_up_responses(
+        model_dir, train, solution_with_random_colour, r1v_prompt, WarmupSchedule(steps=REASONING_STEPS),
+        untrained_tokens=COLOUR_WORDS,
+    )  # fmt: skip
+    stats = warm_up_responses(model_dir, train, solution_with_random_colour, r1v_prompt, WarmupSchedule(60))
+    assert stats["loss_last"] < first["loss_last"] < 1.0 < 5 < first["loss_first"]
+    rows = [json.loads(line) for line in val.read_text().splitlines()]
+    tokenizer = AutoProcessor.from_pretrained(model_dir).tokenizer
+    colour_ids = [tokenizer.convert_tokens_to_ids(c) for c in COLOUR_WORDS]
+    solutions = [worked_solution(r["numbers"], "red") for r in rows]
+    before_colour = [s[: s.index("red 1")] for s in solutions]  # the running sum
+    probs = _next_token_probs(model_dir, rows, val.parent, before_colour, r1v_prompt)[:, colour_ids]
+    assert probs.sum(-1).mean() > 0.9  # after the running sum, a colour
+    share = probs.mean(0) / probs.sum(-1).mean()
+    assert share.min() > 0.1 and share.max() < 0.45, share  # none favoured
+    truth = torch.tensor([COLOUR_WORDS.index(r["colour"]) for r in rows])
+    assert (probs.argmax(-1) == truth).float().mean().item() < 0.6  # chance is 0.25
+    with pytest.raises(ValueError, match="untrained token 'blue 3' is 2 tokens"):
+        warm_up_responses(model_dir, train, solution_with_random_colour, untrained_tokens=["blue 3"])

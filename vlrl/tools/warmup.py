@@ -21,6 +21,8 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,13 @@ def _encode(tokenizer: Any, processor: Any | None, texts: list[str], images: lis
 def _render(rows: list[dict], fmt: FormatPrompt | None, chat: ChatFormatter, prompt_key: str) -> list[str]:
     """The prompt of each row as the trainer renders it (format prompt, then chat template)."""
     return [chat(fmt.render(row[prompt_key]) if fmt else row[prompt_key]) for row in rows]
+
+
+def _single_token_id(tokenizer: Any, text: str) -> int:
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if len(ids) != 1:
+        raise ValueError(f"untrained token {text!r} is {len(ids)} tokens of this tokenizer, not one")
+    return ids[0]
 
 
 def _answer_labels(
@@ -92,47 +101,87 @@ def warm_up_answer_format(
     Returns {"loss_first", "loss_last", "seconds"}; the floor of the loss is about
     ln(len(answers)) / 2 (a uniform guess on the answer token, a certain end of turn).
     """
-    model_dir, train_file = Path(model_dir), Path(train_file)
     if not answers:
         raise ValueError("answers is empty: give the words the model may answer with")
+
+    def respond(row: dict, rng: random.Random) -> str:
+        return rng.choice(answers)  # independent of the row: form, not content
+
+    return warm_up_responses(
+        model_dir,
+        train_file,
+        respond,
+        format_prompt,
+        WarmupSchedule(steps, batch_size, lr, seed),
+        prompt_key,
+        image_key,
+        end_of_turn,
+        record={"answers": answers},
+    )
+
+
+@dataclass(frozen=True)
+class WarmupSchedule:
+    """The supervised fit's steps, batch size (rows per step), AdamW learning rate and seed."""
+
+    steps: int = 60
+    batch_size: int = 16
+    lr: float = 1e-3
+    seed: int = 0
+
+
+def warm_up_responses(
+    model_dir: str | Path,
+    train_file: str | Path,
+    respond: Callable[[dict, random.Random], str],
+    format_prompt: str | None = None,
+    schedule: WarmupSchedule = WarmupSchedule(),
+    prompt_key: str = "problem",
+    image_key: str = "images",
+    end_of_turn: str = "<|im_end|>",
+    record: dict[str, Any] | None = None,
+    untrained_tokens: Collection[str] = (),
+) -> dict[str, float]:
+    """Fit `model_dir` to answer each sampled row of `train_file` with `respond(row, rng)` followed
+    by `end_of_turn`. `respond` decides what is taught: a form with content drawn at random keeps
+    accuracy at chance. Response tokens in `untrained_tokens` (each one token of the vocabulary) are
+    not trained: their prediction is left as it was. Overwrites the model folder and writes
+    `warmup.json` (with `record` in it).
+
+    Returns {"loss_first", "loss_last", "seconds"} (mean loss per response token)."""
+    model_dir, train_file = Path(model_dir), Path(train_file)
     rows = [json.loads(line) for line in train_file.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not rows:
         raise ValueError(f"{train_file} has no rows")
     missing = next((i for i, row in enumerate(rows) if prompt_key not in row), None)
     if missing is not None:
         raise ValueError(f"{train_file} row {missing} has no {prompt_key!r} key: set prompt_key")
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
+    torch.manual_seed(schedule.seed)
+    rng = random.Random(schedule.seed)
     model, tokenizer, processor = _load(model_dir)
     tokenizer.padding_side = "right"
     chat = ChatFormatter(tokenizer, processor)
     fmt = FormatPrompt(format_prompt) if format_prompt else None
-    targets = {a: tokenizer(a + end_of_turn, add_special_tokens=False).input_ids for a in answers}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=schedule.lr, weight_decay=0.0)
+    skip = torch.tensor([_single_token_id(tokenizer, t) for t in untrained_tokens], dtype=torch.long)
     losses, start = [], time.perf_counter()
-    for _ in range(steps):
-        batch = rng.sample(rows, min(batch_size, len(rows)))
-        chosen = [rng.choice(answers) for _ in batch]  # independent of the row: form, not content
+    for _ in range(schedule.steps):
+        batch = rng.sample(rows, min(schedule.batch_size, len(rows)))
+        responses = [respond(row, rng) + end_of_turn for row in batch]
         images = [
             [Image.open(train_file.parent / p).convert("RGB") for p in row.get(image_key) or []]
             for row in batch
         ]
         prompts = _render(batch, fmt, chat, prompt_key)
-        texts = [p + a + end_of_turn for p, a in zip(prompts, chosen, strict=True)]
-        enc = _encode(tokenizer, processor, texts, images)
-        labels = _answer_labels(enc["input_ids"], enc["attention_mask"].sum(1), [targets[a] for a in chosen])
+        enc = _encode(tokenizer, processor, [p + r for p, r in zip(prompts, responses, strict=True)], images)
+        targets = [tokenizer(r, add_special_tokens=False).input_ids for r in responses]
+        labels = _answer_labels(enc["input_ids"], enc["attention_mask"].sum(1), targets)
+        labels[torch.isin(labels, skip)] = -100
         losses.append(supervised_step(model, optimizer, enc, labels))
     model.save_pretrained(model_dir)
     stats = {"loss_first": losses[0], "loss_last": losses[-1], "seconds": time.perf_counter() - start}
-    record = {
-        "answers": answers,
-        "train_file": str(train_file),
-        "steps": steps,
-        "lr": lr,
-        "seed": seed,
-        **stats,
-    }
-    (model_dir / MARKER).write_text(json.dumps(record, indent=1))
+    info = {**(record or {}), "train_file": str(train_file), **asdict(schedule), **stats}
+    (model_dir / MARKER).write_text(json.dumps(info, indent=1))
     return stats
 
 
