@@ -1,10 +1,11 @@
 # The two commands a newcomer needs (see README.md):
 #   make quickstart   set up .venv and train a tiny VLM on a synthetic visual task (CPU)
+#   make reasoning    the same with long, variable-length <think> responses (docs/reasoning.md)
 #   make test         set up .venv, lint, type-check (mypy), and run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup quickstart test test-fast lint typecheck format bench
+.PHONY: setup quickstart reasoning test test-fast lint typecheck format bench
 
 setup:
 	bash scripts/install.sh
@@ -12,6 +13,10 @@ setup:
 quickstart: setup
 	$(PY) examples/prepare_quickstart.py
 	$(PY) -m vlrl.trainer.main config=examples/quickstart.yaml
+
+reasoning: setup
+	$(PY) examples/prepare_reasoning.py
+	$(PY) -m vlrl.trainer.main config=examples/reasoning_quickstart.yaml
 
 lint: setup
 	$(VENV)/bin/ruff check .

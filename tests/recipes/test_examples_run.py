@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 EXAMPLES: dict[str, tuple[list[list[str]], bool]] = {
     "quickstart.yaml": ([["examples/prepare_quickstart.py"]], True),
     "multi_turn_demo.yaml": ([["examples/prepare_multi_turn_demo.py", "--warmup-steps", "10"]], True),
+    "reasoning_quickstart.yaml": ([["examples/prepare_reasoning.py", "--warmup-steps", "10", "--colour-steps", "5"]], True),
     "qwen2_5_3b_gsm8k_calculator.yaml": ([["examples/prepare_gsm8k.py", "--synthetic", "16", "--out", "data/gsm8k"]], False),
     "qwen2_5_vl_3b_geo3k_grpo.yaml": ([], False),
     "qwen2_5_vl_3b_multi_image.yaml": ([["examples/data/make_multi_image.py", "data/multi_image", "--n-train", "8", "--n-val", "4"]], False),
