@@ -9,7 +9,7 @@ read in a few dozen GRPO steps on the shapes quickstart) and a chain of addition
 question. Written out, each step is easy: `worked_solution` keeps a running sum one number at a
 time, then names the colour and adds its value. Answered in one token, the model would have to add up to
 `MAX_NUMBERS + 1` terms in its head. The number of terms varies per row, so responses vary in length
-(about 16 to 60 tokens with the tiny tokenizer) and end at EOS.
+(15 to 45 tokens with the tiny tokenizer) and end at EOS.
 """
 
 from __future__ import annotations
