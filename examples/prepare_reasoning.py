@@ -5,9 +5,10 @@ python examples/prepare_reasoning.py [--out outputs/reasoning] [--seed 0] [--no-
 The task (`vlrl.data.reasoning_task`): "What is 3 + 1 + 4 + the shape's value?", the value given by
 the colour of the one shape in the image. The random model is warmed up on worked solutions in
 EasyR1's r1v form, `<think> 3 + 1 = 4\\n 4 + 4 = 8\\n blue 3\\n 8 + 3 = 11\\n</think><answer> 11</answer>`, whose colour is
-drawn at random whatever the image (with rows of a shape-naming question mixed in, which keep it
-looking at images): it learns the form and the running sum, not the colour, so its accuracy starts
-at chance (~0.25). GRPO then has to learn to read the image. `--no-think` warms up
+drawn at random whatever the image. Rows of two other questions with their true answers are mixed
+in ("What shape is in the image?", "What colour is the shape?"): the model can see, as a pretrained
+one can. It learns the form and the running sum, not which colour goes in the sum, so its accuracy
+starts at chance (~0.25). GRPO then has to learn to use the colour it sees. `--no-think` warms up
 on the answer alone (`<think></think><answer> 11</answer>`) to measure what the steps are worth.
 """
 
@@ -16,14 +17,20 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from vlrl.data.reasoning_task import COLOUR_VALUES, make_reasoning_dataset, make_warmup_file, warmup_target
+from vlrl.data.reasoning_task import (
+    COLOUR_VALUES,
+    is_sum_row,
+    make_reasoning_dataset,
+    make_warmup_file,
+    warmup_target,
+)
 from vlrl.models.tiny import build_tiny_model
 from vlrl.tools.warmup import MARKER, WarmupSchedule, warm_up_responses
 
 FORMAT_PROMPT = "format_prompts/r1v.jinja"
 PIXELS = 12544  # 112 x 112: 16 image tokens, as in the shapes quickstart
-# The warm-up (docs/reasoning.md says why each part is there): on the sums' rows plus rows of another
-# visual question ("What shape is in the image?", true answers), first the steps with the colour word
+# The warm-up (docs/reasoning.md says why each part is there): on the sums' rows plus rows of two other
+# visual questions (shape and colour, true answers), first the steps with the sums' colour word
 # untrained, then whole solutions with the colour drawn at random.
 STEPS_PHASE = WarmupSchedule(steps=2400, batch_size=24, lr=1e-3, seed=0)
 COLOUR_PHASE = WarmupSchedule(steps=100, batch_size=24, lr=1e-3, seed=1)
@@ -48,6 +55,7 @@ def warm_up(
         replace(STEPS_PHASE, steps=steps),
         record=record,
         untrained_tokens=sorted(COLOUR_VALUES),
+        untrained_in=is_sum_row,  # the colour question's answers are trained
     )
     record["steps_phase"] = first
     colour_phase = replace(COLOUR_PHASE, steps=colour_steps)

@@ -92,11 +92,19 @@ def test_text_model_learns_the_form(tmp_path):
 
 
 def test_reasoning_warm_up_teaches_the_steps_not_the_colour(tmp_path):
-    """The reasoning quickstart's warm-up (worked solutions with a random colour): the model writes
-    the r1v form, but which colour it names does not depend on the image (accuracy at chance)."""
+    """The reasoning quickstart's warm-up (worked solutions with a random colour, and the shape and
+    colour questions with true answers): the model writes the r1v form, and names a colour when asked,
+    but which colour goes in the sum does not depend on the image (accuracy at chance)."""
     from transformers import AutoProcessor
 
-    from vlrl.data.reasoning_task import make_reasoning_dataset, solution_with_random_colour, worked_solution
+    from vlrl.data.reasoning_task import (
+        is_sum_row,
+        make_reasoning_dataset,
+        make_warmup_file,
+        solution_with_random_colour,
+        warmup_target,
+        worked_solution,
+    )
     from vlrl.tools.warmup import WarmupSchedule, warm_up_responses
 
     r1v_prompt = "format_prompts/r1v.jinja"
@@ -104,16 +112,20 @@ def test_reasoning_warm_up_teaches_the_steps_not_the_colour(tmp_path):
         tmp_path / "model", "qwen2_5_vl", "tiny", 0, 12544, 12544, reasoning_tokens=True
     )
     train, val = make_reasoning_dataset(tmp_path / "data", n_train=64, n_val=48, seed=3)
-    # as examples/prepare_reasoning.py does, shorter: the steps without the colour, then with it
+    mixed = make_warmup_file(tmp_path / "data", n_per_question=32)
+    # as examples/prepare_reasoning.py does, shorter: the steps without the sums' colour, then with it
     first = warm_up_responses(
-        model_dir, train, solution_with_random_colour, r1v_prompt, WarmupSchedule(steps=REASONING_STEPS),
-        untrained_tokens=COLOUR_WORDS,
+        model_dir, mixed, warmup_target, r1v_prompt, WarmupSchedule(steps=REASONING_STEPS),
+        untrained_tokens=COLOUR_WORDS, untrained_in=is_sum_row,
     )  # fmt: skip
-    stats = warm_up_responses(model_dir, train, solution_with_random_colour, r1v_prompt, WarmupSchedule(60))
+    stats = warm_up_responses(model_dir, mixed, warmup_target, r1v_prompt, WarmupSchedule(60))
     assert stats["loss_last"] < first["loss_last"] < 1.0 < 5 < first["loss_first"]
-    rows = [json.loads(line) for line in val.read_text().splitlines()]
     tokenizer = AutoProcessor.from_pretrained(model_dir).tokenizer
     colour_ids = [tokenizer.convert_tokens_to_ids(c) for c in COLOUR_WORDS]
+    asked = [json.loads(line) for line in mixed.read_text().splitlines() if '"task": "colour"' in line][:16]
+    named = _next_token_probs(model_dir, asked, mixed.parent, "<think>", r1v_prompt)[:, colour_ids]
+    assert named.sum(-1).mean() > 0.9  # asked for the colour, it names one (the rows were trained)
+    rows = [json.loads(line) for line in val.read_text().splitlines()]
     solutions = [worked_solution(r["numbers"], "red") for r in rows]
     before_colour = [s[: s.index("red 1")] for s in solutions]  # the running sum
     probs = _next_token_probs(model_dir, rows, val.parent, before_colour, r1v_prompt)[:, colour_ids]

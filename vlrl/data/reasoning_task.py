@@ -93,30 +93,42 @@ def make_reasoning_dataset(
 
 
 def make_warmup_file(
-    data_dir: str | Path, n_shapes: int = 1024, seed: int = 0, image_size: int = 112
+    data_dir: str | Path, n_per_question: int = 1024, seed: int = 0, image_size: int = 112
 ) -> Path:
-    """`data_dir/warmup.jsonl`: the rows of `data_dir/train.jsonl` plus `n_shapes` rows of another
-    visual question, "What shape is in the image?" (images under `data_dir/shapes/`).
+    """`data_dir/warmup.jsonl`: the rows of `data_dir/train.jsonl` plus `n_per_question` rows of
+    each of two other visual questions with their true answers, "What shape is in the image?" and
+    "What colour is the shape?" (images under `data_dir/shapes/` and `data_dir/colours/`).
 
-    Why: a random model fit only to answers that never depend on the image (the sums' colour is
-    drawn at random) stops looking at it; after 2400 such steps even supervised colour labels did
-    not move it in 90 steps. Naming shapes keeps it looking, and says nothing about colours."""
+    Why (docs/reasoning.md has the measurements): a random model fit only to answers that never
+    depend on the image (the sums' colour is drawn at random) stops looking at it. The two
+    questions play the part of a real model's pretraining: it sees shapes and can name colours
+    when asked; what it has not learned is to use the colour it sees in the sum. Without the colour
+    question, ten GRPO runs of up to 336 steps never moved accuracy off chance."""
     from vlrl.data.synthetic import make_shapes_dataset
 
     data_dir = Path(data_dir)
-    shapes, _ = make_shapes_dataset(data_dir / "shapes", n_shapes, 0, seed + 7, "shape", image_size)
     lines = (data_dir / "train.jsonl").read_text(encoding="utf-8").splitlines()
-    for line in shapes.read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        lines.append(json.dumps({**row, "images": [f"shapes/{p}" for p in row["images"]]}))
+    for task, folder, task_seed in (("shape", "shapes", seed + 7), ("colour", "colours", seed + 11)):
+        rows, _ = make_shapes_dataset(data_dir / folder, n_per_question, 0, task_seed, task, image_size)
+        for line in rows.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            lines.append(json.dumps({**row, "images": [f"{folder}/{p}" for p in row["images"]]}))
     out = data_dir / "warmup.jsonl"
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out
 
 
+def is_sum_row(row: dict) -> bool:
+    """A row of the sums (not one of `make_warmup_file`'s other questions)."""
+    return row.get("task") == "reasoning_sum"
+
+
 def warmup_target(row: dict, rng: random.Random, think: bool = True) -> str:
-    """The warm-up's response to a row of `make_warmup_file`: the shape question's true answer, or
-    the sum's worked solution with a random colour (`solution_with_random_colour`)."""
+    """The warm-up's response to a row of `make_warmup_file`: the shape or colour question's true
+    answer, or the sum's worked solution with a random colour (`solution_with_random_colour`). The
+    colour is written as in the solutions' colour line, with no space before it (one token)."""
     if row.get("task") == "shape":
         return f"<think> {row['answer']}\n</think><answer> {row['answer']}</answer>"
+    if row.get("task") == "colour":
+        return f"<think>{row['answer']}\n</think><answer>{row['answer']}</answer>"
     return solution_with_random_colour(row, rng, think)

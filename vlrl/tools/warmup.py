@@ -141,11 +141,13 @@ def warm_up_responses(
     end_of_turn: str = "<|im_end|>",
     record: dict[str, Any] | None = None,
     untrained_tokens: Collection[str] = (),
+    untrained_in: Callable[[dict], bool] | None = None,
 ) -> dict[str, float]:
     """Fit `model_dir` to answer each sampled row of `train_file` with `respond(row, rng)` followed
     by `end_of_turn`. `respond` decides what is taught: a form with content drawn at random keeps
     accuracy at chance. Response tokens in `untrained_tokens` (each one token of the vocabulary) are
-    not trained: their prediction is left as it was. Overwrites the model folder and writes
+    not trained, in the rows where `untrained_in(row)` (default: all): their prediction is left as it
+    was. Overwrites the model folder and writes
     `warmup.json` (with `record` in it).
 
     Returns {"loss_first", "loss_last", "seconds"} (mean loss per response token)."""
@@ -176,7 +178,8 @@ def warm_up_responses(
         enc = _encode(tokenizer, processor, [p + r for p, r in zip(prompts, responses, strict=True)], images)
         targets = [tokenizer(r, add_special_tokens=False).input_ids for r in responses]
         labels = _answer_labels(enc["input_ids"], enc["attention_mask"].sum(1), targets)
-        labels[torch.isin(labels, skip)] = -100
+        masked_rows = torch.tensor([untrained_in is None or untrained_in(row) for row in batch])[:, None]
+        labels[torch.isin(labels, skip) & masked_rows] = -100
         losses.append(supervised_step(model, optimizer, enc, labels))
     model.save_pretrained(model_dir)
     stats = {"loss_first": losses[0], "loss_last": losses[-1], "seconds": time.perf_counter() - start}
