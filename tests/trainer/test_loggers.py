@@ -75,3 +75,33 @@ def test_wandb_without_a_key_says_how_to_run_offline(tmp_path: Path, monkeypatch
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     with pytest.raises(RuntimeError, match="WANDB_MODE=offline"):
         Tracker(["wandb"], "p", "e", str(tmp_path / "run"), {})
+
+
+def test_each_start_is_an_attempt_and_the_history_takes_the_newest(tmp_path: Path) -> None:
+    """Attempt 1 logs steps 1-3 and dies (its last line torn); attempt 2 resumes from the checkpoint
+    of step 2: it validates first (a row of its own) and logs step 3 again with other values."""
+    from vlrl.trainer.loggers import FileLogger, logged_history
+
+    first = FileLogger(str(tmp_path))
+    for step, reward in [(1, 0.1), (2, 0.2), (3, 0.3)]:
+        first.log({"reward/overall": reward}, step=step)
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "rew')  # killed mid-write
+    second = FileLogger(str(tmp_path))
+    assert second.attempt == 2
+    assert logged_history(str(tmp_path), 2) == [
+        {"step": 1, "reward/overall": 0.1},
+        {"step": 2, "reward/overall": 0.2},
+    ]
+    second.log({"val/overall": 0.5}, step=2)
+    second.log({"reward/overall": 0.35}, step=3)
+    second.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()[:3]]
+    assert [row["attempt"] for row in rows] == [1, 1, 1]
+    assert logged_history(str(tmp_path), 3) == [
+        {"step": 1, "reward/overall": 0.1},
+        {"step": 2, "reward/overall": 0.2, "val/overall": 0.5},
+        {"step": 3, "reward/overall": 0.35},
+    ]
+    assert FileLogger(str(tmp_path)).attempt == 3

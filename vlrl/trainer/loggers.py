@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -34,6 +35,44 @@ class ConsoleLogger:
         pass
 
 
+def _rows(path: str) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (none when it does not exist); a torn last line (a killed run) is skipped."""
+    if not os.path.isfile(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+    return rows
+
+
+def _open_for_append(path: str) -> Any:
+    """`path` opened to append lines (kept open); a last line torn by a killed run is ended first,
+    so that it does not swallow the first line written now."""
+    torn = False
+    if os.path.isfile(path) and os.path.getsize(path):
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+    file = open(path, "a")  # noqa: SIM115 (kept open)
+    if torn:
+        file.write("\n")
+    return file
+
+
+def logged_history(folder: str, up_to_step: int) -> list[dict[str, Any]]:
+    """Training steps 1..`up_to_step` as logged in `folder`/metrics.jsonl, in step order: what a
+    resumed run's summary and plot start from. Rows of one step are merged in file order, so a
+    later attempt's values (and a validation row logged apart) win."""
+    merged: dict[int, dict[str, Any]] = {}
+    for row in _rows(os.path.join(folder, "metrics.jsonl")):
+        step = row.get("step")
+        if isinstance(step, int) and 1 <= step <= up_to_step:
+            merged.setdefault(step, {}).update((k, v) for k, v in row.items() if k != "attempt")
+    return [merged[step] for step in sorted(merged)]
+
+
 def _middle_cut(text: str, keep: int) -> str:
     """`text` with its middle cut out when longer than `keep` characters: a format prompt puts the
     question at the start, the end or in between, so both ends are kept."""
@@ -43,16 +82,22 @@ def _middle_cut(text: str, keep: int) -> str:
 
 
 class FileLogger:
-    """`metrics.jsonl` (one object per step) and `generations.jsonl` in the run's folder."""
+    """`metrics.jsonl` (one object per step) and `generations.jsonl` in the run's folder.
+
+    Each start of a run in the folder is an attempt (1, 2, ... after resumes): every metrics row
+    carries its `attempt`, so the steps an interrupted attempt logged past its last checkpoint,
+    which the next one logs again, can be told apart (`logged_history` keeps the newest)."""
 
     def __init__(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
         self.folder = folder
-        self.metrics_file = open(os.path.join(folder, "metrics.jsonl"), "a")  # noqa: SIM115 (kept open)
-        self.generations_file = open(os.path.join(folder, "generations.jsonl"), "a")  # noqa: SIM115
+        path = os.path.join(folder, "metrics.jsonl")
+        self.attempt = 1 + max((row.get("attempt", 1) for row in _rows(path)), default=0)
+        self.metrics_file = _open_for_append(path)
+        self.generations_file = _open_for_append(os.path.join(folder, "generations.jsonl"))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.metrics_file.write(json.dumps({"step": step, "attempt": self.attempt, **metrics}) + "\n")
         self.metrics_file.flush()
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
