@@ -8,69 +8,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from e2e_helpers import build_assets, cli_args, read_metrics, run_cli, safe_metrics, start_cli
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from vlrl.data.synthetic import make_shapes_dataset
-    from vlrl.models.tiny import build_tiny_model
-
-    root = tmp_path_factory.mktemp("e2e")
-    model = build_tiny_model(root / "model", arch="qwen2_5_vl", seed=0, min_pixels=3136, max_pixels=12544)
-    train, val = make_shapes_dataset(root / "data", n_train=64, n_val=8, seed=0, task="colour")
-    # A reward that always varies between samples, so every step has a learning signal (an
-    # untrained model rarely names a colour, and all-equal rewards give zero advantages).
-    reward = root / "vowels.py"
-    reward.write_text(
-        "def compute_score(inputs):\n"
-        "    return [{'overall': sum(c in 'aeiou' for c in x.response) / max(len(x.response), 1)} for x in inputs]\n"
-    )
-    return {"model": model, "train": Path(train), "val": Path(val), "reward": reward}
-
-
-def _args(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    return [
-        f"config={REPO / 'examples' / 'quickstart.yaml'}",
-        f"worker.actor.model.model_path={assets['model']}",
-        f"data.train_files={assets['train']}",
-        f"data.val_files={assets['val']}",
-        f"trainer.save_checkpoint_path={out}",
-        f"data.format_prompt={REPO / 'format_prompts' / 'shapes.jinja'}",
-        f"worker.reward.reward_function={assets['reward']}:compute_score",
-        "data.rollout_batch_size=4",
-        "data.max_response_length=8",  # multi-token responses (the quickstart samples one token)
-        "worker.actor.global_batch_size=2",
-        "worker.actor.micro_batch_size_per_device_for_update=4",
-        "worker.actor.micro_batch_size_per_device_for_experience=8",
-        "worker.rollout.n=4",
-        "trainer.plot_path=null",
-        "trainer.logger=[console,file]",
-        "trainer.find_last_checkpoint=true",  # the quickstart config turns it off
-        *extra,
-    ]
-
-
-def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLRL_DEBUG": "1"}
-    proc = subprocess.run([sys.executable, "-m", "vlrl.trainer.main", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    assert proc.returncode == 0, f"run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
-def _metrics(out: Path) -> dict[int, dict[str, float]]:
-    lines = (out / "logs" / "metrics.jsonl").read_text().splitlines()
-    return {row["step"]: row for row in map(json.loads, lines)}
+    return build_assets(tmp_path_factory.mktemp("e2e"))
 
 
 def test_two_ranks_train_checkpoint_and_a_killed_run_resumes_exactly(
@@ -83,8 +33,8 @@ def test_two_ranks_train_checkpoint_and_a_killed_run_resumes_exactly(
               "algorithm.kl_penalty=low_var_kl", "trainer.save_freq=2", "trainer.val_before_train=false",
               "trainer.val_freq=-1", "trainer.max_steps=4", "worker.rollout.calculate_log_probs=true"]  # fmt: skip
     reference = tmp_path / "uninterrupted"
-    _run(_args(assets, reference, *common))
-    expected = _metrics(reference)
+    run_cli(cli_args(assets, reference, *common))
+    expected = read_metrics(reference)
     assert sorted(expected) == [1, 2, 3, 4]
     for row in expected.values():
         assert 0.0 <= row["reward/overall"] <= 1.0
@@ -98,11 +48,11 @@ def test_two_ranks_train_checkpoint_and_a_killed_run_resumes_exactly(
     _check_merged_weights_changed(reference / "global_step_4" / "actor", assets["model"])
 
     killed = tmp_path / "killed"
-    proc = _start(_args(assets, killed, *common), tmp_path / "killed.log")
+    proc = start_cli(cli_args(assets, killed, *common), tmp_path / "killed.log")
     deadline = time.time() + 600
     # wait until step 2 is checkpointed and logged, then kill during step 3
     while time.time() < deadline and proc.poll() is None:
-        if (killed / "global_step_2" / "trainer_state.json").exists() and 2 in _safe_metrics(killed):
+        if (killed / "global_step_2" / "trainer_state.json").exists() and 2 in safe_metrics(killed):
             break
         time.sleep(0.2)
     time.sleep(0.5)
@@ -111,13 +61,13 @@ def test_two_ranks_train_checkpoint_and_a_killed_run_resumes_exactly(
     )
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    done_before_kill = max(_safe_metrics(killed))
+    done_before_kill = max(safe_metrics(killed))
     assert done_before_kill < 4
 
     timeline = tmp_path / "timeline.json"
-    proc = _run(_args(assets, killed, *common, f"trainer.ray_timeline={timeline}"))
+    proc = run_cli(cli_args(assets, killed, *common, f"trainer.ray_timeline={timeline}"))
     assert "resumed from" in proc.stdout + proc.stderr
-    resumed = _metrics(killed)
+    resumed = read_metrics(killed)
     assert sorted(resumed) == [1, 2, 3, 4]
     keys = ["reward/overall", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm",
             "critic/score/mean"]  # fmt: skip
@@ -145,14 +95,6 @@ def _check_merged_weights_changed(actor_dir: Path, initial: Path) -> None:
     assert model.config.architectures == ["Qwen2_5_VLForConditionalGeneration"]
 
 
-def _start(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLRL_DEBUG": "1"}
-    with open(log, "w") as f:
-        # A new session, so the kill below takes Ray's processes with the driver.
-        return subprocess.Popen([sys.executable, "-m", "vlrl.trainer.main", *args], cwd=REPO, env=env,
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-
-
 def test_async_mode_trains_one_step_off_policy_and_resumes_exactly(
     assets: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -161,8 +103,8 @@ def test_async_mode_trains_one_step_off_policy_and_resumes_exactly(
               "trainer.val_before_train=false", "trainer.val_freq=-1", "data.val_files=''",
               "trainer.max_steps=3", "algorithm.tis_cap=2.0"]  # fmt: skip
     full = tmp_path / "full"
-    _run(_args(assets, full, *common))
-    expected = _metrics(full)
+    run_cli(cli_args(assets, full, *common))
+    expected = read_metrics(full)
     assert [expected[s]["async/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     # step 1 samples with the broadcast initial weights: engine and actor agree
     assert expected[1]["rollout/log_prob_diff_mean"] < 0.05
@@ -170,17 +112,12 @@ def test_async_mode_trains_one_step_off_policy_and_resumes_exactly(
     assert (full / "global_step_2" / "prefetched.pt").is_file()
 
     resumed = tmp_path / "resumed"
-    proc = _run(_args(assets, resumed, *common, f"trainer.load_checkpoint_path={full / 'global_step_2'}"))
+    proc = run_cli(
+        cli_args(assets, resumed, *common, f"trainer.load_checkpoint_path={full / 'global_step_2'}")
+    )
     assert "resumed from" in proc.stdout + proc.stderr
-    again = _metrics(resumed)
+    again = read_metrics(resumed)
     assert sorted(again) == [3]
     for key in ("reward/overall", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
                 "rollout/log_prob_diff_mean", "async/staleness", "async/tis_weight_mean"):  # fmt: skip
         assert again[3][key] == pytest.approx(expected[3][key], rel=1e-6, abs=1e-9), key
-
-
-def _safe_metrics(out: Path) -> dict[int, dict[str, float]]:
-    try:
-        return _metrics(out)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_e2e import _args, _run, _start
+from e2e_helpers import cli_args, run_cli, start_cli
 
 from vlrl.rollout.vllm_hooks import SHM_DIR, cpu_shm_segments, run_cpu_shm_prefix
 
@@ -59,7 +59,7 @@ def old_leftovers() -> Iterator[list[str]]:
 
 def _tp2(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
     """Two ranks, one TP=2 engine, tiny steps, no validation, no checkpoints."""
-    return _args(assets, out, "trainer.n_gpus_per_node=2", "worker.rollout.tensor_parallel_size=2",
+    return cli_args(assets, out, "trainer.n_gpus_per_node=2", "worker.rollout.tensor_parallel_size=2",
                  "data.max_response_length=2", "trainer.val_before_train=false", "trainer.val_freq=-1",
                  "data.val_files=''", "trainer.save_freq=-1", "trainer.max_steps=1", *extra)  # fmt: skip
 
@@ -95,12 +95,12 @@ def test_tp2_runs_after_each_other_and_at_once_leave_no_shared_memory(
 ) -> None:
     """One run (with an older run's leftovers on the machine), then two runs at the same time: all
     succeed, and none leaves a segment behind."""
-    first = _run(_tp2(assets, tmp_path / "first"))
+    first = run_cli(_tp2(assets, tmp_path / "first"))
     assert _left(_run_id(first.stderr)) == []
     assert CLEANED_BY_DRIVER not in first.stderr  # the ranks' engines removed their own
 
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    procs = [_start(_tp2(assets, tmp_path / name), log) for name, log in zip("ab", logs)]
+    procs = [start_cli(_tp2(assets, tmp_path / name), log) for name, log in zip("ab", logs)]
     texts = _wait(procs, logs)
     ids = [_run_id(text) for text in texts]
     assert ids[0] != ids[1]
@@ -114,7 +114,7 @@ def test_sigterm_stops_the_run_cleanly_and_removes_its_shared_memory(
 ) -> None:
     """SIGTERM to the driver during training: exit 143 after a clean shutdown, no segment left."""
     log = tmp_path / "run.log"
-    proc = _start(_tp2(assets, tmp_path / "out", "trainer.max_steps=100"), log)
+    proc = start_cli(_tp2(assets, tmp_path / "out", "trainer.max_steps=100"), log)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None and "[step 1]" not in log.read_text():

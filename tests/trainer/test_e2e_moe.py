@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_e2e import _args, _metrics, _run
+from e2e_helpers import cli_args, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +35,10 @@ def test_two_ranks_train_the_moe_model_with_vllm_rollouts(
 ) -> None:
     out = tmp_path / "run"
     # KL loss on (a reference MoE model too) and one Ulysses group of 2 (tokens split over the ranks)
-    _run(_args(moe_assets, out, "trainer.n_gpus_per_node=2", "algorithm.disable_kl=false", "algorithm.use_kl_loss=true",
+    run_cli(cli_args(moe_assets, out, "trainer.n_gpus_per_node=2", "algorithm.disable_kl=false", "algorithm.use_kl_loss=true",
                "algorithm.kl_penalty=low_var_kl", "worker.actor.ulysses_size=2", "trainer.val_before_train=false",
                "trainer.val_freq=-1", "trainer.save_freq=2", "trainer.max_steps=2"))  # fmt: skip
-    metrics = _metrics(out)
+    metrics = read_metrics(out)
     assert sorted(metrics) == [1, 2]
     for row in metrics.values():
         assert row["actor/grad_norm"] > 0 and row["actor/kl_loss"] >= 0
