@@ -122,6 +122,19 @@ def test_bad_keys_and_types(base: list[str], override: str, message: str) -> Non
         (["worker.reward.memory_limit_mb=500", "worker.reward.num_workers=0"],
          "worker.reward.memory_limit_mb caps worker processes: set worker.reward.num_workers >= 1"),
         (["trainer.val_only=true", "data.val_files="], "trainer.val_only=true validates and exits, and needs data.val_files"),
+        # numbers out of range, each named by key before anything starts
+        (["worker.actor.optim.lr=-1e-5"], r"worker.actor.optim.lr=-1e-05 must be a finite number >= 0"),
+        (["worker.actor.optim.lr=.nan"], r"worker.actor.optim.lr=nan must be a finite number >= 0"),
+        (["algorithm.kl_coef=-0.1"], r"algorithm.kl_coef=-0.1 must be a finite number >= 0"),
+        (["worker.rollout.top_p=0"], r"worker.rollout.top_p=0.0 must be in \(0, 1\]"),
+        (["worker.rollout.top_k=0"], r"worker.rollout.top_k=0 must be -1 \(off\) or >= 1"),
+        (["worker.rollout.n=100000"], r"worker.rollout.n=100000 must be in \[1, 16384\] \(vLLM's limit"),
+        (["worker.actor.clip_ratio_low=1.5"], r"worker.actor.clip_ratio_low=1.5 must be in \[0, 1\)"),
+        (["trainer.save_freq=0"], r"trainer.save_freq=0 must be -1 \(only at the end\) or N >= 1"),
+        (["trainer.save_limit=0"], r"trainer.save_limit=0 must be -1 \(keep all\) or N >= 1"),
+        (["trainer.val_freq=-2"], r"trainer.val_freq=-2 must be -1"),
+        (["trainer.hang_timeout=-1"], r"trainer.hang_timeout=-1.0 must be >= 0"),
+        (["worker.reward.max_failure_rate=1.5"], r"worker.reward.max_failure_rate=1.5 must be in \[0, 1\]"),
     ],
 )  # fmt: skip
 def test_cross_field_rules(base: list[str], overrides: list[str], message: str) -> None:

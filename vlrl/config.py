@@ -281,6 +281,10 @@ class ActorConfig(_Section):
     to a full-size step, and its second moments decay. The LR schedule still advances; counted as
     `actor/no_advantage_steps`. Without it the 600-step quickstart collapsed to chance (see
     docs/algorithms.md); EasyR1 always steps."""
+    max_nonfinite_steps: int = 5
+    """Stop the run after this many optimizer steps in a row whose gradient norm is inf/nan (each is
+    skipped and counted in `actor/skipped_steps`); 0: never stop. A step that makes the weights
+    inf/nan always stops the run, before they can be saved."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -456,7 +460,12 @@ class RewardConfig(_Section):
     timeout: float = 60.0
     """Seconds one reward call may take before it counts as a failure."""
     on_failure: str = "raise"
-    """What a failing sample does: raise (stop with the file, function and sample) or zero (score 0, counted)."""
+    """What a failing sample does: raise (stop with the file, function and sample) or zero (score 0,
+    counted). A worker that dies while scoring is replaced and its unanswered samples are tried once
+    more on the fresh worker first."""
+    max_failure_rate: float = 0.5
+    """With on_failure=zero: stop the run when more than this share of one step's samples fail (a
+    reward that is broken, not flaky, would otherwise train on zeros). 1.0: never stop."""
     streaming: bool = True
     """Score each group as soon as its samples are generated, while the rest of the batch is still
     generating (vLLM, single-turn; the HF engine and multi-turn rollouts report their groups at the
@@ -500,6 +509,17 @@ class TrainerConfig(_Section):
     device: str = "auto"
     """auto, cuda or cpu. auto: cuda when the Ray cluster named by RAY_ADDRESS has GPUs (without
     RAY_ADDRESS: when this machine has one), else cpu."""
+    max_failures: int = 0
+    """Restart the rank workers and resume from this run's latest checkpoint when a rank worker dies
+    or hangs (`hang_timeout`), up to this many times in a run, each logged (as Ray Train's
+    `FailureConfig.max_failures`). An error raised by the step's code stops the run at once: it
+    would happen again. 0: stop at the first failure."""
+    hang_timeout: float = 1800.0
+    """Seconds a call to the rank workers (generation, log-probs, update, save ...) may run before the
+    run stops as hung, naming the ranks that did not answer with their pid and host: the limit is
+    max(hang_timeout, 10 x the longest the same call took earlier in the run), so it grows with
+    measured step times. The first call of each kind (model loading, the first generation) must
+    finish within hang_timeout. 0: wait forever."""
     dist_timeout_minutes: float = 60.0
     """Timeout of the ranks' collectives (torch.distributed). Generous by default: rank 0 reads the
     whole checkpoint from disk while the other ranks wait in the weight broadcast."""

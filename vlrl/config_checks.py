@@ -7,6 +7,7 @@ file or model folder) is checked here, at start-up.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ def check_config(config: PPOConfig) -> list[str]:
         _check_reward,
         _check_multi_turn,
         _check_trainer,
+        _check_numbers,
         _check_paths,
     ):
         errors.extend(check(config))
@@ -233,8 +235,13 @@ def _check_algorithm(config: PPOConfig) -> list[str]:
         )
     if actor.clip_ratio_dual <= 1.0:
         errors.append(f"worker.actor.clip_ratio_dual={actor.clip_ratio_dual} must be > 1")
-    if actor.clip_ratio_low < 0 or actor.clip_ratio_high < 0:
-        errors.append("worker.actor.clip_ratio_low and clip_ratio_high must be >= 0")
+    if not 0 <= actor.clip_ratio_low < 1:
+        errors.append(
+            f"worker.actor.clip_ratio_low={actor.clip_ratio_low} must be in [0, 1): the ratio's lower bound "
+            "is 1 - clip_ratio_low, and at or below 0 nothing is clipped"
+        )
+    if not actor.clip_ratio_high >= 0:
+        errors.append(f"worker.actor.clip_ratio_high={actor.clip_ratio_high} must be >= 0")
     if algo.online_filtering and algo.adv_estimator == "remax":
         errors.append("algorithm.adv_estimator=remax cannot be combined with algorithm.online_filtering=true")
     if algo.online_filtering and not algo.filter_low < algo.filter_high:
@@ -438,6 +445,64 @@ def _check_trainer(config: PPOConfig) -> list[str]:
     for key, value in (("data.format_prompt", config.data.format_prompt),):
         if value and not os.path.isfile(value):
             errors.append(f"{key}: file {value!r} does not exist")
+    return errors
+
+
+# vLLM's cap on samples per prompt (vllm 0.32, vllm/sampling_params.py `_verify_num_sequences`; the
+# default of vllm/envs.py), read here without importing vLLM.
+VLLM_MAX_N_DEFAULT = 16384
+
+
+def _check_numbers(config: PPOConfig) -> list[str]:
+    """Numbers out of their range or not finite, named by key (before anything starts)."""
+    actor, rollout, trainer, algo = (
+        config.worker.actor,
+        config.worker.rollout,
+        config.trainer,
+        config.algorithm,
+    )
+    errors = []
+    at_least_zero = {
+        "worker.actor.optim.lr": actor.optim.lr,
+        "worker.actor.optim.weight_decay": actor.optim.weight_decay,
+        "worker.actor.entropy_coeff": actor.entropy_coeff,
+        "algorithm.kl_coef": algo.kl_coef,
+    }
+    for key, value in at_least_zero.items():
+        if not (math.isfinite(value) and value >= 0):
+            errors.append(f"{key}={value} must be a finite number >= 0")
+    if not math.isfinite(actor.max_grad_norm):
+        errors.append(f"worker.actor.max_grad_norm={actor.max_grad_norm} must be finite (<= 0: no clipping)")
+    if not 0 < rollout.top_p <= 1:
+        errors.append(f"worker.rollout.top_p={rollout.top_p} must be in (0, 1] (1: no nucleus truncation)")
+    if rollout.top_k != -1 and rollout.top_k < 1:
+        errors.append(f"worker.rollout.top_k={rollout.top_k} must be -1 (off) or >= 1")
+    max_n = int(os.environ.get("VLLM_MAX_N_SEQUENCES", VLLM_MAX_N_DEFAULT))
+    if not 1 <= rollout.n <= max_n:
+        errors.append(
+            f"worker.rollout.n={rollout.n} must be in [1, {max_n}] (vLLM's limit, VLLM_MAX_N_SEQUENCES)"
+        )
+    for key, value, meaning in (
+        ("trainer.save_freq", trainer.save_freq, "-1 (only at the end) or N >= 1 (every N steps)"),
+        ("trainer.save_limit", trainer.save_limit, "-1 (keep all) or N >= 1 (the newest N and the best)"),
+        ("trainer.val_freq", trainer.val_freq, "-1 (only at the end) or N >= 1 (every N steps)"),
+    ):
+        if value == 0 or value < -1:
+            errors.append(f"{key}={value} must be {meaning}")
+    if trainer.max_failures < 0:
+        errors.append(
+            f"trainer.max_failures={trainer.max_failures} must be >= 0 (0: stop at the first failure)"
+        )
+    if not trainer.hang_timeout >= 0:
+        errors.append(f"trainer.hang_timeout={trainer.hang_timeout} must be >= 0 (0: wait forever)")
+    if not 0 <= config.worker.reward.max_failure_rate <= 1:
+        errors.append(
+            f"worker.reward.max_failure_rate={config.worker.reward.max_failure_rate} must be in [0, 1] (1: never stop)"
+        )
+    if actor.max_nonfinite_steps < 0:
+        errors.append(
+            f"worker.actor.max_nonfinite_steps={actor.max_nonfinite_steps} must be >= 0 (0: never stop)"
+        )
     return errors
 
 

@@ -176,6 +176,43 @@ def check_no_advantage_guard(model_dir: str, results: dict[str, Any]) -> None:
         results[f"guard/{guard}/signal_moved"] = err(actor.compute_log_probs(batch, 1.0), before, batch)
 
 
+def check_nonfinite_guard(model_dir: str, out_dir: str, results: dict[str, Any]) -> None:
+    """A corrupt Adam state (a moment at 3e38, as a flipped checkpoint byte made it) turns the weights
+    to inf/nan at the next optimizer step: the update stops the run and no checkpoint is written.
+    Non-finite gradients are skipped, up to `max_nonfinite_steps` in a row."""
+    from vlrl.workers.actor import NonFiniteTraining
+
+    _, processor = load_processor(model_dir)
+    actor = build_actor(make_config(model_dir), processor, "cpu", model_path=model_dir)
+    batch = make_batch(model_dir, SPECS, seed=21)
+    train_fields(batch, actor.compute_log_probs(batch, 1.0))
+    actor.update_policy(batch)  # creates the Adam state
+    state = actor.optimizer.state[actor.params[0]]
+    state["exp_avg"].to_local().fill_(3e38)
+    state["exp_avg_sq"].to_local().fill_(1e-30)
+    try:
+        actor.update_policy(batch)
+        results["nonfinite/update_error"] = ""
+    except NonFiniteTraining as exc:
+        results["nonfinite/update_error"] = str(exc)
+    try:
+        actor.save_checkpoint(os.path.join(out_dir, "nonfinite_ckpt"))
+        results["nonfinite/save_error"] = ""
+    except NonFiniteTraining as exc:
+        results["nonfinite/save_error"] = str(exc)
+    results["nonfinite/ckpt_written"] = os.path.exists(os.path.join(out_dir, "nonfinite_ckpt"))
+    actor = build_actor(make_config(model_dir, worker__actor__max_nonfinite_steps=2), processor, "cpu",
+                        model_path=model_dir)  # fmt: skip
+    batch.advantages = torch.full_like(batch.advantages, float("nan"))
+    skipped = [actor.update_policy(batch)["actor/skipped_steps"]]
+    try:
+        skipped.append(actor.update_policy(batch)["actor/skipped_steps"])
+        results["nonfinite/skip_error"] = ""
+    except NonFiniteTraining as exc:
+        results["nonfinite/skip_error"] = str(exc)
+    results["nonfinite/skipped"] = skipped
+
+
 def check_other_arch(model_dir: str, arch: str, out_dir: str, results: dict[str, Any]) -> None:
     """Text-only Qwen2 and Qwen3-VL: log-probs match the plain model, updates run, HF export loads."""
     tokenizer, processor = load_processor(model_dir)
@@ -233,6 +270,7 @@ def run(rank: int, world: int, port: int, models: dict[str, str], out_dir: str) 
         check_schedule(models["qwen2_5_vl"], results)
         check_on_policy(models["qwen2_5_vl"], results)
         check_no_advantage_guard(models["qwen2_5_vl"], results)
+        check_nonfinite_guard(models["qwen2_5_vl"], out_dir, results)
         check_tied_embeddings(models["qwen2_5_vl"], out_dir, results)
         for arch in ("qwen2", "qwen3_vl"):
             check_other_arch(models[arch], arch, out_dir, results)

@@ -77,3 +77,14 @@ def test_no_advantage_guard_skips_only_steps_without_signal(job):
     assert job["guard/True/no_advantage_steps"] == 1 and job["guard/True/global_step"] == 1
     assert job["guard/True/signal_moved"] > 1e-4  # a mini-batch with signal still steps
     assert job["guard/False/moved"] > 1e-4 and job["guard/False/no_advantage_steps"] == 0
+
+
+def test_nonfinite_weights_stop_the_run_before_a_checkpoint(job):
+    assert job["nonfinite/update_error"].startswith("optimizer step 2 made the weights inf/nan")
+    assert job["nonfinite/save_error"].startswith("the weights hold inf/nan: no checkpoint is written")
+    assert not job["nonfinite/ckpt_written"]
+
+
+def test_nonfinite_gradients_are_skipped_then_stop_the_run(job):
+    assert job["nonfinite/skipped"] == [1.0]  # the first is skipped and counted
+    assert job["nonfinite/skip_error"].startswith("2 optimizer steps in a row had a non-finite gradient norm")

@@ -80,7 +80,9 @@ def runners(tmp_path_factory):
     made = {}
     for fn in ("batch", "sequential"):
         for mode in ("raise", "zero"):
-            config = make_config(f"{path}:{fn}", reward_type=fn, on_failure=mode, timeout=TIMEOUT)
+            config = make_config(
+                f"{path}:{fn}", reward_type=fn, on_failure=mode, timeout=TIMEOUT, max_failure_rate=1.0
+            )  # fmt: skip (a whole failed chunk is 4 of 4)
             made[fn, mode] = RewardRunner(config)
     yield str(path), made
     for runner in made.values():
@@ -163,7 +165,9 @@ def test_unpicklable_inputs_are_a_clear_error(runners):
 
 def test_in_process_mode_reports_faults_too(runners):
     path, _ = runners
-    with RewardRunner(make_config(f"{path}:batch", num_workers=0, on_failure="zero")) as runner:
+    with RewardRunner(
+        make_config(f"{path}:batch", num_workers=0, on_failure="zero", max_failure_rate=1.0)
+    ) as runner:
         assert runner.score(_inputs("nan")).failures == 1
         assert runner.score(_inputs("raise")).failures == 4
     with (
@@ -171,3 +175,38 @@ def test_in_process_mode_reports_faults_too(runners):
         pytest.raises(RewardError, match="failed on sample 2: raised ValueError: boom"),
     ):
         runner.score(_inputs("raise"))
+
+
+FLAKY = """
+    import os, sys
+
+    def main(inputs):
+        marker = os.path.join(os.path.dirname(__file__), "died_once")
+        if any(x.response == "die_once" for x in inputs) and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(9)  # a transient death: the fresh worker scores the chunk
+        if any(x.response == "fail" for x in inputs):
+            raise ValueError("broken")
+        return [{"overall": 1.0} for _ in inputs]
+"""
+
+
+def test_a_worker_that_dies_once_is_replaced_and_its_chunk_retried(write_reward, caplog):
+    with RewardRunner(make_config(write_reward(FLAKY) + ":main")) as runner, caplog.at_level("WARNING"):
+        assert runner.score(inputs_for(["ok", "die_once"])).overall == [1.0, 1.0]
+        assert runner.restarts == 1
+    assert "worker process died (exit code 9) while scoring" in caplog.text
+    assert "retrying its 2 unanswered sample(s) once on a fresh worker" in caplog.text
+    assert "reward worker 0 restarted (pid" in caplog.text
+
+
+def test_zero_mode_stops_when_too_many_samples_fail(write_reward):
+    spec = write_reward(FLAKY) + ":main"
+    too_many = (
+        r"^2 of 2 reward samples failed in one step, more than worker.reward.max_failure_rate=0.5 allows"
+    )
+    with RewardRunner(make_config(spec, on_failure="zero", max_failure_rate=0.5)) as runner, \
+            pytest.raises(RewardError, match=too_many + ".*raised ValueError: broken"):  # fmt: skip
+        runner.score(inputs_for(["fail", "ok"]))
+    with RewardRunner(make_config(spec, on_failure="zero", max_failure_rate=1.0)) as runner:
+        assert runner.score(inputs_for(["fail", "ok"])).overall == [0.0, 0.0]

@@ -156,7 +156,9 @@ def test_reward_file_is_not_imported_by_the_training_process(write_reward, tmp_p
 
 def test_failure_messages_are_capped_but_counted(write_reward):
     path = write_reward("def main(x):\n    return {'overall': float('nan')}\n")
-    config = make_config(path, reward_type="sequential", num_workers=0, on_failure="zero")
+    config = make_config(
+        path, reward_type="sequential", num_workers=0, on_failure="zero", max_failure_rate=1.0
+    )
     with RewardRunner(config) as runner:
         result = runner.score(inputs_for(["a"] * 50))
     assert result.failures == 50 and len(result.failure_messages) == 20
@@ -174,7 +176,9 @@ def test_unprintable_return_value_is_a_failure_not_a_crash(write_reward, num_wor
             return {"overall": Odd()}
         """
     )
-    config = make_config(path, reward_type="sequential", num_workers=num_workers, on_failure="zero")
+    config = make_config(
+        path, reward_type="sequential", num_workers=num_workers, on_failure="zero", max_failure_rate=1.0
+    )
     with RewardRunner(config) as runner:
         result = runner.score(inputs_for(["a", "b"]))
     assert result.failures == 2 and "could not be checked" in result.failure_messages[0]

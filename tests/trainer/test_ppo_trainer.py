@@ -91,6 +91,8 @@ def make(assets: dict[str, Path], tmp_path: Path):
     made: list[PPOTrainer] = []
 
     def build(*overrides: str, solved: str = "set()", partial: bool = True) -> PPOTrainer:
+        for earlier in made:  # one run folder: an earlier trainer's run is over, so is its lock
+            earlier.checkpoints.close()
         made.append(_trainer(assets, tmp_path, *overrides, solved=solved, partial=partial))
         return made[-1]
 

@@ -31,7 +31,7 @@ def _failure(monkeypatch: pytest.MonkeyPatch) -> ray_workers.WorkerError:
 
     monkeypatch.setattr(ray_workers.ray, "get", failing_get)
     with pytest.raises(ray_workers.WorkerError) as info:
-        ray_workers.Pending("setup", []).result()
+        ray_workers.Pending("setup", [], ray_workers.RankGroup([])).result()
     return info.value
 
 

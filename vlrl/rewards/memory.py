@@ -53,8 +53,8 @@ def describe_exit(code: int | None, peak_kib: int | None, limit_mb: int | None) 
     if code is not None and code < 0:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
         text = f"worker process was killed by {name} (exit code {code}) while scoring{seen}"
-        if -code == signal.SIGKILL:
-            text += " — most likely the out-of-memory killer"
+        if -code == signal.SIGKILL:  # the kernel's OOM killer sends it, as may a person or a scheduler
+            text += " (the out-of-memory killer sends SIGKILL, as can `kill -9`)"
             text += "" if limit_mb is not None else f"; {NO_CAP_HINT}"
         return text
     return f"worker process died (exit code {code}) while scoring{seen}"

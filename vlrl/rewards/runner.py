@@ -46,6 +46,8 @@ class _Job:
     """Global sample indices sent to the worker, in order."""
     done: int = 0
     """How many of them the worker has answered (sequential rewards answer one by one)."""
+    out_of_memory: bool = False
+    """A sample of it raised MemoryError (the worker exits after the job)."""
 
 
 @dataclass
@@ -57,6 +59,8 @@ class _Batch:
     outcomes: dict[int, Outcome] = field(default_factory=dict)
     pending: deque[list[int]] = field(default_factory=deque)
     failed: bool = False
+    retried: set[int] = field(default_factory=set)
+    """Samples already sent again after their worker died (each is retried once)."""
 
     def record(self, index: int, outcome: Outcome) -> None:
         self.outcomes[index] = outcome
@@ -66,6 +70,10 @@ class _Batch:
         failure = RewardFailure(reason, chunk=(indices[0], indices[-1]))
         for i in indices:
             self.record(i, failure)
+
+
+def _out_of_memory(outcome: Any) -> bool:
+    return isinstance(outcome, RewardFailure) and outcome.out_of_memory
 
 
 def _split(n: int, parts: int) -> list[list[int]]:
@@ -99,6 +107,7 @@ class RewardRunner:
         self._workers: list[WorkerProcess | None] = [None] * int(config.num_workers)
         self._job_ids = 0
         self._closed = False
+        self.restarts = 0  # worker processes started to replace one that died, hung or ran out of memory
         self.loaded: LoadedReward | None = None
         """The function itself, only when scoring in-process (`num_workers=0`)."""
         self.reward_type = ""
@@ -146,6 +155,9 @@ class RewardRunner:
         worker = self._new_worker(slot)
         self._workers[slot] = worker
         worker.wait_ready(STARTUP_TIMEOUT + self.timeout)
+        self.restarts += 1
+        logger.warning("reward worker %d restarted (pid %d; %d restarts in this run)", slot,
+                       worker.process.pid, self.restarts)  # fmt: skip
         return worker
 
     def _kill(self, slot: int) -> int | None:
@@ -267,7 +279,7 @@ class RewardRunner:
             worker.process.join(1)  # reap it so the exit code is known
             peak = worker.memory[1] if worker.memory else None
             reason = describe_exit(worker.process.exitcode, peak, self.config.memory_limit_mb)
-            self._lose_job(slot, batch, reason)
+            self._lose_job(slot, batch, reason, retry=True)
             return
         kind, job_id = message[0], message[1]
         if job_id != job.job_id:
@@ -275,6 +287,7 @@ class RewardRunner:
         if kind == "item":
             batch.record(job.indices[message[2]], message[3])
             job.done += 1
+            job.out_of_memory = job.out_of_memory or _out_of_memory(message[3])
             worker.deadline = time.monotonic() + self.timeout  # the timeout is per call
         elif kind == "done":
             worker.job = None
@@ -285,15 +298,27 @@ class RewardRunner:
             else:
                 for index, outcome in zip(job.indices, result):
                     batch.record(index, outcome)
+            job.out_of_memory = any(map(_out_of_memory, result if isinstance(result, list) else [result]))
             worker.job = None
+        if worker.job is None and job.out_of_memory:  # the worker exits after it: replace it
+            logger.warning("reward worker %d ran out of memory; a fresh one takes its place", slot)
+            self._kill(slot)
 
-    def _lose_job(self, slot: int, batch: _Batch, reason: str) -> None:
-        """The worker hung or died: kill it; blame the sample in flight (sequential) or the chunk."""
+    def _lose_job(self, slot: int, batch: _Batch, reason: str, retry: bool = False) -> None:
+        """The worker hung or died: kill it; blame the sample in flight (sequential) or the chunk.
+        With `retry` (a death, which may be transient), unanswered samples not retried before go
+        once more to a fresh worker instead."""
         worker = self._workers[slot]
         assert worker is not None and worker.job is not None
         remaining = worker.job.indices[worker.job.done :]
+        logger.warning("reward worker %d (pid %d): %s", slot, worker.process.pid, reason)
         self._kill(slot)
         if not remaining:
+            return
+        if retry and not batch.retried.intersection(remaining):
+            batch.retried.update(remaining)
+            batch.pending.appendleft(remaining)
+            logger.warning("retrying its %d unanswered sample(s) once on a fresh worker", len(remaining))
             return
         if self.reward_type == "sequential":
             batch.record(remaining[0], RewardFailure(reason))
@@ -338,6 +363,13 @@ class RewardRunner:
                 len(failed),
                 len(outcomes),
                 messages[0],
+            )
+        limit = self.config.max_failure_rate
+        if len(failed) > limit * len(outcomes):
+            raise RewardError(
+                f"{len(failed)} of {len(outcomes)} reward samples failed in one step, more than "
+                f"worker.reward.max_failure_rate={limit:g} allows: scores of 0 in their place would train "
+                f"the model on a broken reward. First: {messages[0]}"
             )
         return RewardResult(scores=scores, failures=len(failed), failure_messages=messages)
 

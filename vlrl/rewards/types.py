@@ -97,6 +97,11 @@ class RewardFailure:
     chunk: tuple[int, int] | None = None
     """(first, last) sample indices when the failure is not attributable to one sample."""
 
+    @property
+    def out_of_memory(self) -> bool:
+        """The reward raised MemoryError (`describe_exception`'s wording): its worker is replaced."""
+        return self.reason.startswith("ran out of memory")
+
 
 @dataclass
 class RewardResult:

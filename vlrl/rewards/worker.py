@@ -2,7 +2,8 @@
 
 The worker loads the reward function from its spec (functions are never pickled across processes),
 checks the kwargs against its signature, reports `ready` (with the resolved reward type), then serves
-jobs until told to stop or until its pipe closes (parent gone).
+jobs until told to stop, until its pipe closes (parent gone), or after a job in which the reward
+ran out of memory (MemoryError under `memory_limit_mb`): the parent then starts a fresh worker.
 
 Messages, worker -> parent:
     ("ready", {"pid", "reward_type", "where", "partial_batches"}) | ("load_error", message)
@@ -21,7 +22,7 @@ from typing import Any
 from vlrl.rewards.calling import call_batch, call_one, describe_exception, guarded
 from vlrl.rewards.loading import check_kwargs, load_reward_function
 from vlrl.rewards.memory import apply_memory_limit
-from vlrl.rewards.types import RewardLoadError
+from vlrl.rewards.types import RewardFailure, RewardLoadError
 
 
 def worker_main(
@@ -56,8 +57,14 @@ def worker_main(
             return
         _, job_id, samples = message
         if loaded.reward_type == "sequential":
+            outcomes = []
             for position, sample in enumerate(samples):
-                conn.send(("item", job_id, position, guarded(call_one, loaded, kwargs, sample)))
+                outcomes.append(guarded(call_one, loaded, kwargs, sample))
+                conn.send(("item", job_id, position, outcomes[-1]))
             conn.send(("done", job_id))
         else:
-            conn.send(("batch", job_id, guarded(call_batch, loaded, kwargs, samples)))
+            result = guarded(call_batch, loaded, kwargs, samples)
+            conn.send(("batch", job_id, result))
+            outcomes = result if isinstance(result, list) else [result]
+        if any(isinstance(o, RewardFailure) and o.out_of_memory for o in outcomes):
+            return  # after a MemoryError the heap may stay near the cap: the parent starts a fresh worker

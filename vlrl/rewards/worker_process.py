@@ -36,6 +36,7 @@ class WorkerProcess:
             target = worker_main
             args = (config.reward_function, config.reward_type, kwargs, config.memory_limit_mb)
         self.kind = kind
+        self.memory_limit_mb = getattr(config, "memory_limit_mb", None) if target is worker_main else None
         self.process = ctx.Process(
             target=target, args=(child, *(args or ())), daemon=True, name=f"vlrl-{kind}-{slot}"
         )
@@ -60,11 +61,22 @@ class WorkerProcess:
             kind, payload = self.conn.recv()
         except (EOFError, OSError):
             code = self.kill()
-            raise RewardLoadError(f"{self.kind} worker exited while starting (exit code {code})") from None
+            raise RewardLoadError(
+                f"{self.kind} worker exited while starting (exit code {code}){self._cap_note()}"
+            ) from None
         if kind == "load_error":
             self.kill()
-            raise RewardLoadError(payload)
+            raise RewardLoadError(payload + self._cap_note())
         return payload
+
+    def _cap_note(self) -> str:
+        """Under a memory cap, a failed start is most often the cap itself (imports count against it)."""
+        if self.memory_limit_mb is None:
+            return ""
+        return (
+            f"\n(the worker runs under worker.reward.memory_limit_mb={self.memory_limit_mb}, which counts the "
+            "reward file's imports too: if it failed for lack of memory, raise the cap)"
+        )
 
     def send_job(self, job: Any, samples: list[RewardInput], timeout: float) -> None:
         try:

@@ -1,40 +1,56 @@
-"""Atomic checkpoints with a tracker of the latest and best, and a retention limit.
+"""Atomic, checksummed checkpoints with a tracker of the latest and best, and a retention limit.
 
 Layout under `trainer.save_checkpoint_path`:
     global_step_N/            complete checkpoint (renamed into place as the very last act)
         actor/                model, optimizer, scheduler and RNG states (written by the ranks)
         trainer_state.json    step, dataloader position, KL coefficient, validation score
-    global_step_N.tmp/        a save in progress; never resumed from, removed on the next save
-    checkpoint_tracker.json   {"latest": N, "best": M, "best_score": x}, replaced atomically
+        checksums.json        size and SHA-256 of every other file (`checkpoint_files`)
+    global_step_N.tmp-RUN/    a save in progress; never resumed from, removed at the next start
+    checkpoint_tracker.json   {"latest", "best", "best_score", "steps"}, replaced atomically
+    .vlrl.lock                held by the run using the folder (`RunLock`)
 
 A crash (or kill -9) at any moment leaves either the previous complete checkpoint or the new one.
+Resuming takes the newest of vlrl's checkpoints whose files match their checksums; one that does not
+is named and skipped (never loaded), and when none matches the run stops rather than start over.
 
-Checkpoints vlrl did not write (a `global_step_N` without `trainer_state.json`, e.g. EasyR1's, and
-EasyR1's `checkpoint_tracker.json`) are never deleted or overwritten: they are reported at start-up,
-vlrl's tracker then goes to `vlrl_checkpoint_tracker.json`, and a run that would save a step of the
-same number stops at start-up (`check_no_collisions`).
-The ranks write their shards into the folder and the driver completes it, so the folder must be
-shared by all nodes: `check_shared_filesystem` verifies that at start-up.
+Checkpoints vlrl did not write (a `global_step_N` with neither trainer state nor checksums and not
+in vlrl's tracker, e.g. EasyR1's, and EasyR1's `checkpoint_tracker.json`) are never deleted or
+overwritten: they are reported at start-up, vlrl's tracker then goes to
+`vlrl_checkpoint_tracker.json`, and a run that would save a step of the same number stops at
+start-up (`check_no_collisions`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import json
 import logging
 import os
 import re
 import shutil
-import socket
 import uuid
 from collections.abc import Callable
 from typing import Any
+
+from vlrl.trainer.checkpoint_files import (
+    MANIFEST,
+    PROBE_PREFIX,
+    CorruptCheckpoint,
+    RunLock,
+    digest_files,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 TRACKER = "checkpoint_tracker.json"
 OWN_TRACKER = "vlrl_checkpoint_tracker.json"  # used when TRACKER belongs to another trainer
 STATE = "trainer_state.json"
 logger = logging.getLogger(__name__)
+
+Digest = Callable[[str], dict[str, dict[str, Any]]]  # folder -> the manifest's file table
+Verify = Callable[[str, dict[str, dict[str, Any]]], list[str]]  # (folder, table) -> problems
 
 
 def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
@@ -47,10 +63,16 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
 
 
 class CheckpointManager:
+    """The checkpoints of one run folder, which it locks for this process's lifetime."""
+
     def __init__(self, root: str, save_limit: int = -1) -> None:
         self.root = root
         self.save_limit = save_limit
         os.makedirs(root, exist_ok=True)
+        self.lock = RunLock(root)  # first: nothing below may touch a folder another run uses
+        self.run_tag = uuid.uuid4().hex[:8]  # names this run's save-in-progress folders
+        self.saved: str | None = None  # the newest checkpoint this run wrote
+        self._remove_leftovers()
         self.tracker_path = os.path.join(root, TRACKER if self._tracker_is_ours(TRACKER) else OWN_TRACKER)
         self.tracker = self._read_tracker()
         found = self.foreign_entries()
@@ -61,6 +83,20 @@ class CheckpointManager:
                 root,
                 ", ".join(found),
             )
+
+    def _remove_leftovers(self) -> None:
+        """Interrupted saves and start-up probe files of earlier runs: no run holds them (we hold the lock)."""
+        stale = [
+            name
+            for name in os.listdir(self.root)
+            if (name.startswith("global_step_") and ".tmp" in name) or name.startswith(PROBE_PREFIX)
+        ]
+        for name in stale:
+            path = os.path.join(self.root, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        if stale:
+            logger.info("removed %d leftover(s) of an interrupted run from %s: %s", len(stale), self.root,
+                        ", ".join(sorted(stale)))  # fmt: skip
 
     def _tracker_is_ours(self, name: str) -> bool:
         """A tracker file vlrl wrote (or none yet)."""
@@ -78,16 +114,31 @@ class CheckpointManager:
         if os.path.isfile(self.tracker_path):
             with open(self.tracker_path) as f:
                 return json.load(f)
-        return {"latest": None, "best": None, "best_score": None}
+        return {"latest": None, "best": None, "best_score": None, "steps": []}
 
-    def foreign_steps(self) -> list[int]:
-        """Steps of `global_step_N` folders without vlrl's trainer state (another trainer's)."""
-        steps = []
+    def _step_folders(self) -> dict[int, str]:
+        found = {}
         for name in os.listdir(self.root):
             match = STEP_DIR.match(name)
-            if match and not os.path.isfile(os.path.join(self.root, name, STATE)):
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+            if match and os.path.isdir(os.path.join(self.root, name)):
+                found[int(match.group(1))] = os.path.join(self.root, name)
+        return found
+
+    def _is_ours(self, step: int, folder: str) -> bool:
+        """Written by vlrl: it has vlrl's trainer state or checksums, or vlrl's tracker names it (a
+        checkpoint of ours that lost its trainer state is damaged, not another trainer's)."""
+        named = set(self.tracker.get("steps") or []) | {self.tracker.get("latest"), self.tracker.get("best")}
+        return step in named or any(os.path.isfile(os.path.join(folder, f)) for f in (STATE, MANIFEST))
+
+    def foreign_steps(self) -> list[int]:
+        """Steps of `global_step_N` folders another trainer wrote."""
+        return sorted(
+            step for step, folder in self._step_folders().items() if not self._is_ours(step, folder)
+        )
+
+    def own_steps(self) -> list[int]:
+        """Steps of vlrl's checkpoint folders (complete or damaged), oldest first."""
+        return sorted(step for step, folder in self._step_folders().items() if self._is_ours(step, folder))
 
     def foreign_entries(self) -> list[str]:
         """Names of everything in the folder that another trainer wrote, for the start-up report."""
@@ -107,40 +158,82 @@ class CheckpointManager:
             )
 
     def complete_steps(self) -> list[int]:
-        """Steps with a complete checkpoint folder, oldest first."""
-        steps = []
-        for name in os.listdir(self.root):
-            match = STEP_DIR.match(name)
-            if match and os.path.isfile(os.path.join(self.root, name, STATE)):
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        """Steps with a complete checkpoint folder (its trainer state written), oldest first."""
+        return [
+            s for s in self.own_steps() if os.path.isfile(os.path.join(self.root, f"global_step_{s}", STATE))
+        ]
 
     def latest(self) -> str | None:
         steps = self.complete_steps()
         return os.path.join(self.root, f"global_step_{steps[-1]}") if steps else None
 
+    def resume_point(self, verify: Verify = verify_files) -> str | None:
+        """The newest of vlrl's checkpoints that passes `check_checkpoint`; None when there is none.
+        Each one that fails is named with its problem; when all fail the run stops (CorruptCheckpoint)
+        rather than start again from step 1."""
+        steps = self.own_steps()
+        for step in reversed(steps):
+            folder = os.path.join(self.root, f"global_step_{step}")
+            problems = check_checkpoint(folder, verify)
+            if not problems:
+                return folder
+            logger.warning("not resuming from %s: %s", folder, "; ".join(problems[:5]))
+        if steps:
+            raise CorruptCheckpoint(
+                f"no checkpoint in {self.root} passes its checks ({', '.join(f'global_step_{s}' for s in steps)}; "
+                "the problems are logged above): rather than start again from step 1, the run stops. Restore the "
+                "files, or set trainer.find_last_checkpoint=false (or another trainer.save_checkpoint_path) to "
+                "start a new run"
+            )
+        return None
+
     def save(
-        self, step: int, write_actor: Callable[[str], None], state: dict[str, Any], score: float | None
+        self,
+        step: int,
+        write_actor: Callable[[str], None],
+        state: dict[str, Any],
+        score: float | None,
+        digest: Digest = digest_files,
     ) -> str:
-        """Write a checkpoint for `step`: actor files via `write_actor(folder)`, then the trainer state."""
+        """Write a checkpoint for `step`: actor files via `write_actor(folder)`, the trainer state,
+        then the checksums of them all (`digest(folder)`), and rename it into place."""
         final = os.path.join(self.root, f"global_step_{step}")
-        if os.path.isdir(final) and not os.path.isfile(os.path.join(final, STATE)):
+        if os.path.isdir(final) and not self._is_ours(step, final):
             raise RuntimeError(
                 f"{final} was not written by vlrl; it is not overwritten (choose another folder)"
             )
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        write_actor(os.path.join(tmp, "actor"))
-        _write_json_atomic(os.path.join(tmp, STATE), {"global_step": step, "val_score": score, **state})
+        tmp = f"{final}.tmp-{self.run_tag}"
+        try:
+            os.makedirs(tmp)
+            write_actor(os.path.join(tmp, "actor"))
+            _write_json_atomic(os.path.join(tmp, STATE), {"global_step": step, "val_score": score, **state})
+            write_manifest(tmp, digest(tmp))
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial save must not fill the disk it ran out of
+            if _out_of_space(exc):
+                raise OSError(errno.ENOSPC, self._no_space_message(step)) from None
+            raise
         shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step (e.g. after resume)
         os.replace(tmp, final)  # the commit point
+        self.saved = final
         self._update_tracker(step, score)
         self._enforce_limit()
         return final
 
+    def _no_space_message(self, step: int) -> str:
+        previous = self.latest()
+        size = (
+            f"; the previous checkpoint takes {_folder_bytes(previous) / 2**30:.2f} GiB" if previous else ""
+        )
+        return (
+            f"no space left on the device of {self.root} while saving global_step_{step} (its partial "
+            f"folder is removed{size}): free space there, lower trainer.save_limit, or point "
+            "trainer.save_checkpoint_path at a larger disk"
+        )
+
     def _update_tracker(self, step: int, score: float | None) -> None:
         self.tracker["latest"] = step
+        self.tracker["steps"] = sorted(set(self.tracker.get("steps") or []) | {step})
         best = self.tracker.get("best_score")
         if score is not None and (best is None or score > best):
             self.tracker["best"], self.tracker["best_score"] = step, score
@@ -152,74 +245,53 @@ class CheckpointManager:
             return
         steps = self.complete_steps()
         keep = set(steps[-self.save_limit :]) | {self.tracker.get("best")}
-        for step in steps:
-            if step not in keep:
-                shutil.rmtree(os.path.join(self.root, f"global_step_{step}"), ignore_errors=True)
-        for name in os.listdir(self.root):  # leftovers of interrupted saves
-            if name.endswith(".tmp") and name.startswith("global_step_"):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        removed = [step for step in steps if step not in keep]
+        for step in removed:
+            shutil.rmtree(os.path.join(self.root, f"global_step_{step}"), ignore_errors=True)
+        if removed:
+            self.tracker["steps"] = [s for s in self.tracker.get("steps") or [] if s not in removed]
+            _write_json_atomic(self.tracker_path, self.tracker)
+
+    def close(self) -> None:
+        self.lock.release()
 
 
-def probe_shared_path(marker: str, token: str, rank: int) -> tuple[bool, str]:
-    """Rank side of `check_shared_filesystem`: (saw the driver's marker, this host's name).
-
-    A rank that sees it answers with a file of its own next to it, for the driver to find."""
+def check_checkpoint(folder: str, verify: Verify = verify_files) -> list[str]:
+    """What is wrong with a checkpoint folder, one line each (none: it can be resumed from): its
+    trainer state must be readable and its files must match their checksums (`verify`)."""
     try:
-        with open(marker) as f:
-            seen = f.read() == token
-    except OSError:
-        seen = False
-    if seen:
-        with open(f"{marker}.rank{rank}", "w") as f:
-            f.write(token)
-    return seen, socket.gethostname()
+        read_state(folder)
+        files = read_manifest(folder)
+    except (OSError, CorruptCheckpoint) as exc:
+        return [str(exc)]
+    if files is None:  # written by a vlrl that kept no checksums
+        logger.warning("%s has no %s: its files cannot be checked", folder, MANIFEST)
+        return []
+    return verify(folder, files)
 
 
-def check_shared_filesystem(root: str, probe_ranks: Callable[[str, str], list[tuple[bool, str]]]) -> None:
-    """Every rank writes its checkpoint shards under `root` and the driver completes the checkpoint
-    there (trainer state, rename), so `root` must be one folder for all of them: shared storage on a
-    multi-node cluster. Checked once at start-up, before any training time is spent.
+def _out_of_space(exc: BaseException) -> bool:
+    """ENOSPC here or on a rank (a rank's error reaches the driver as text)."""
+    return (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "[Errno 28]" in str(exc)
 
-    `probe_ranks(marker, token)` runs `probe_shared_path` on every rank and returns their answers."""
-    os.makedirs(root, exist_ok=True)
-    token = uuid.uuid4().hex
-    marker = os.path.join(root, f".vlrl_shared_check_{token}")
-    with open(marker, "w") as f:
-        f.write(token)
-        f.flush()
-        os.fsync(f.fileno())
-    answers: list[tuple[bool, str]] = []
-    try:
-        answers = probe_ranks(marker, token)
-        blind = [f"rank {r} on {host}" for r, (seen, host) in enumerate(answers) if not seen]
-        unseen = [
-            f"rank {r} on {host}"
-            for r, (seen, host) in enumerate(answers)
-            if seen and not os.path.isfile(f"{marker}.rank{r}")
-        ]
-    finally:
-        for path in [marker] + [f"{marker}.rank{r}" for r in range(len(answers))]:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-    if blind or unseen:
-        raise RuntimeError(
-            f"trainer.save_checkpoint_path={root} is not one folder shared by the driver "
-            f"({socket.gethostname()}) and every rank: "
-            + (f"{', '.join(blind)} cannot see a file the driver wrote there" if blind else "")
-            + ("; " if blind and unseen else "")
-            + (f"the driver cannot see the files of {', '.join(unseen)}" if unseen else "")
-            + ". Every rank writes its checkpoint shards there and the driver completes the checkpoint:"
-            " point it at shared storage (NFS or a cluster filesystem mounted at the same path on all nodes)"
-        )
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(p, n)) for p, _, names in os.walk(folder) for n in names)
 
 
 def read_state(checkpoint: str) -> dict[str, Any]:
-    """The trainer state of a complete checkpoint folder; a clear error otherwise."""
+    """The trainer state of a complete checkpoint folder; an error naming the file otherwise."""
     path = os.path.join(checkpoint, STATE)
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{checkpoint} is not a complete checkpoint (no {STATE}); point trainer.load_checkpoint_path "
             "at a global_step_N folder"
         )
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpoint(f"{path} cannot be read ({exc})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        raise CorruptCheckpoint(f"{path} holds no global_step: it is not a trainer state vlrl wrote")
+    return state

@@ -11,7 +11,7 @@ import signal
 import sys
 from types import FrameType
 
-from vlrl.config import ConfigError
+from vlrl.config import ConfigError, PPOConfig
 
 _sigterm_received = False  # set by `_raise_on_sigterm`
 
@@ -41,7 +41,6 @@ def run(argv: list[str]) -> int:
     if show:
         return 0
     from vlrl.rollout.vllm_hooks import RUN_ID_ENV, SHM_DIR, new_run_id, run_cpu_shm_prefix
-    from vlrl.trainer.ray_trainer import build_trainer
     from vlrl.trainer.summary import write_summary
 
     # This run's id: the rank workers name their CPU shared memory after it (vllm_hooks).
@@ -50,20 +49,42 @@ def run(argv: list[str]) -> int:
     if config.trainer.device == "cpu" and rollout.name == "vllm" and rollout.tensor_parallel_size > 1:
         shm = os.path.join(SHM_DIR, run_cpu_shm_prefix(run_id))
         print(f"[vlrl] run id {run_id} (its vLLM CPU all-reduce shared memory: {shm}*)", file=sys.stderr)
-    trainer = None
     try:
-        trainer = build_trainer(config)
-        history = trainer.fit()
-        write_summary(history, config)
+        write_summary(_train(config, argv), config)
     finally:
         try:
-            if trainer is not None:
-                trainer.close()
             _write_ray_timeline(config.trainer.ray_timeline)
             _stop_ray()
         finally:
             _remove_shared_memory()
     return 0
+
+
+def _train(config: PPOConfig, argv: list[str]) -> list[dict[str, float]]:
+    """Build the trainer and train; when a rank worker dies or hangs, start new rank workers and
+    resume from this run's latest checkpoint, up to `trainer.max_failures` times. Returns the history."""
+    from vlrl.config_loader import load_config
+    from vlrl.trainer.deadlines import RankHang
+    from vlrl.trainer.ray_trainer import build_trainer
+    from vlrl.trainer.ray_workers import WorkerDied
+
+    failures = 0
+    while True:
+        trainer = build_trainer(config)
+        try:
+            return trainer.fit()
+        except (WorkerDied, RankHang) as exc:
+            if failures >= config.trainer.max_failures:
+                raise
+            failures += 1
+            saved = trainer.checkpoints.saved
+            print(f"[vlrl] {type(exc).__name__}: {exc}\n[vlrl] restart {failures} of trainer.max_failures="
+                  f"{config.trainer.max_failures}: new rank workers, resuming from {saved or 'the start'}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            if saved is not None:
+                config = load_config([*argv, f"trainer.load_checkpoint_path={saved}"])
+        finally:
+            trainer.close()  # a hung rank is killed here
 
 
 def print_config_requested(argv: list[str]) -> bool:

@@ -17,7 +17,6 @@ tests pass `InProcessRanks`).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -34,9 +33,10 @@ from vlrl.models.sampling import truncation_warning
 from vlrl.protocol import KeptRows, PromptBatch, RolloutBatch
 from vlrl.rollout.base import eos_token_ids
 from vlrl.trainer.async_rollout import AsyncRollout, Prefetched
-from vlrl.trainer.checkpoint import CheckpointManager, check_shared_filesystem, read_state
+from vlrl.trainer.checkpoint import CheckpointManager, check_checkpoint, read_state
+from vlrl.trainer.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
 from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, split_prompts
-from vlrl.trainer.loggers import Tracker
+from vlrl.trainer.loggers import Tracker, logged_history
 from vlrl.trainer.metrics import (
     PhaseTimer,
     batch_metrics,
@@ -64,6 +64,7 @@ class PPOTrainer:
         rewards: Any,
         start_ranks: Callable[[], RankRoles],
         image_refs: ImageRefs | None = None,
+        checkpoints: CheckpointManager | None = None,
     ) -> None:
         self.config = config
         self.image_refs = image_refs  # batches carry image references, not pixels (vlrl.image_refs)
@@ -79,7 +80,7 @@ class PPOTrainer:
         self.kl_ctrl = make_kl_controller(algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon)
         run_root = config.trainer.save_checkpoint_path
         assert run_root is not None  # PPOConfig.finalize() fills it in
-        self.checkpoints = CheckpointManager(run_root, config.trainer.save_limit)
+        self.checkpoints = checkpoints or CheckpointManager(run_root, config.trainer.save_limit)
         self.run_dir = os.path.join(run_root, "logs")
         self.tracker = Tracker(config.trainer.logger, config.trainer.project_name, config.trainer.experiment_name,
                                self.run_dir, config.to_dict())  # fmt: skip
@@ -146,7 +147,7 @@ class PPOTrainer:
         if (trainer.val_before_train or trainer.val_only) and self.data.val_loader is not None:
             self.tracker.log(self.validate(), step=self.global_step)
         if trainer.val_only:
-            return self.history
+            return []  # no step trained
         progress = tqdm(total=self.total_steps, initial=self.global_step, desc="steps", disable=None)
         while self.global_step < self.total_steps:
             self.global_step += 1
@@ -473,13 +474,27 @@ class PPOTrainer:
             "kl_coef": self.kl_ctrl.value,
             "model_only": model_only,
         }
-        return self.checkpoints.save(self.global_step, write_actor, state, val_score)
+        return self.checkpoints.save(self.global_step, write_actor, state, val_score, self._digest)
+
+    def _digest(self, folder: str) -> dict[str, dict[str, Any]]:
+        """The checksums of a checkpoint's files, hashed by the ranks between them."""
+        return {
+            k: v for part in self.ranks.call_all("digest_checkpoint_files", folder) for k, v in part.items()
+        }
+
+    def _verify(self, folder: str, files: dict[str, dict[str, Any]]) -> list[str]:
+        return [p for part in self.ranks.call_all("verify_checkpoint_files", folder, files) for p in part]
 
     def _resume(self) -> None:
         trainer = self.config.trainer
-        path = trainer.load_checkpoint_path or (
-            self.checkpoints.latest() if trainer.find_last_checkpoint else None
-        )
+        path = trainer.load_checkpoint_path
+        if path is not None:
+            problems = check_checkpoint(path, self._verify)
+            if problems:
+                raise CorruptCheckpoint(f"trainer.load_checkpoint_path={path} cannot be resumed from: "
+                                        + "; ".join(problems[:5]))  # fmt: skip
+        elif trainer.find_last_checkpoint:
+            path = self.checkpoints.resume_point(self._verify)
         if path is None:
             return
         state = read_state(path)
@@ -494,6 +509,7 @@ class PPOTrainer:
         self.data.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
         self.global_step = state["global_step"]
+        self.history = logged_history(self.run_dir, self.global_step)  # the summary covers the whole run
         print(f"[vlrl] resumed from {path} at step {self.global_step}", flush=True)
 
     def _fetch_media(self, images: list[list[Any]]) -> list[list[Any]]:
@@ -504,15 +520,12 @@ class PPOTrainer:
         self.tracker.close()
         self.rewards.close()
         self.roles.shutdown()
+        self.checkpoints.close()
 
 
 def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    keys = per_rank[0].keys()
-    return {
-        k: sum(m[k] for m in per_rank) / len(per_rank)
-        for k in keys
-        if all(math.isfinite(m[k]) for m in per_rank)
-    }
+    """Each metric's mean over the ranks; a non-finite value stays so (logged as nan/inf, never dropped)."""
+    return {k: sum(m[k] for m in per_rank) / len(per_rank) for k in per_rank[0]}
 
 
 def _step_seed(seed: int, step: int) -> int:

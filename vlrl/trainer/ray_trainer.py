@@ -5,6 +5,7 @@ from __future__ import annotations
 from vlrl.config import PPOConfig
 from vlrl.image_refs import ImageRefs
 from vlrl.rewards import RewardRunner
+from vlrl.trainer.checkpoint import CheckpointManager
 from vlrl.trainer.data_setup import TrainingData
 from vlrl.trainer.ppo_trainer import PPOTrainer
 from vlrl.trainer.ranks import RankRoles
@@ -12,8 +13,11 @@ from vlrl.trainer.ray_workers import start_rank_groups, start_ray
 
 
 def build_trainer(config: PPOConfig) -> PPOTrainer:
-    """Data and rewards first (a bad dataset or reward file fails before Ray starts), then Ray and the
-    rank workers, started by the trainer once its own checks passed."""
+    """The checkpoint folder's lock first (a second run on it stops at once), data and rewards next (a
+    bad dataset or reward file fails before Ray starts), then Ray and the rank workers, started by
+    the trainer once its own checks passed."""
+    assert config.trainer.save_checkpoint_path is not None  # PPOConfig.finalize() fills it in
+    checkpoints = CheckpointManager(config.trainer.save_checkpoint_path, config.trainer.save_limit)
     data = TrainingData(config)
     rewards = RewardRunner(config.worker.reward)
 
@@ -21,4 +25,4 @@ def build_trainer(config: PPOConfig) -> PPOTrainer:
         start_ray(config)
         return start_rank_groups(config)
 
-    return PPOTrainer(config, data, rewards, start_ranks, image_refs=ImageRefs.ray())
+    return PPOTrainer(config, data, rewards, start_ranks, image_refs=ImageRefs.ray(), checkpoints=checkpoints)

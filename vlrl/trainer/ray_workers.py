@@ -7,6 +7,7 @@ rank, then `ray.get` on all of them, with the root cause of a failure shown plai
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vlrl.config import PPOConfig
+from vlrl.trainer.deadlines import CallDeadlines, Stopwatch
 from vlrl.trainer.ranks import RankRoles, check_one_per_rank
 from vlrl.utils.library_logs import worker_log_env
 
@@ -33,8 +35,16 @@ WORKER_ENV = {
 }
 
 
+SHUTDOWN_WAIT_S = 20.0  # for the ranks to close their engines before they are killed (a hung one never does)
+logger = logging.getLogger(__name__)
+
+
 class WorkerError(RuntimeError):
     """A rank failed; the message holds the root cause, not the Ray trace around it."""
+
+
+class WorkerDied(WorkerError):
+    """A rank's process ended (killed, crashed): a fault of the machine, not of the step's code."""
 
 
 def start_ray(config: PPOConfig) -> None:
@@ -104,11 +114,22 @@ def check_cluster_fits(config: PPOConfig, resources: dict[str, float]) -> None:
 
 
 class RankGroup:
-    """Ray actors of one role, called in the open: one remote call per rank, results by rank."""
+    """Ray actors of one role, called in the open: one remote call per rank, results by rank.
+    A call that some ranks do not finish within its limit (`CallDeadlines`) raises `RankHang`."""
 
-    def __init__(self, workers: list[Any], placement: Any = None) -> None:
+    def __init__(
+        self, workers: list[Any], placement: Any = None, deadlines: CallDeadlines | None = None
+    ) -> None:
         self.workers = workers
         self.placement = placement  # removed by shutdown when this group owns it
+        self.deadlines = deadlines or CallDeadlines(0)
+        self.names = [f"rank {r}" for r in range(len(workers))]  # with pid and host after `identify`
+
+    def identify(self, first_rank: int = 0) -> None:
+        """Learn each rank's pid and host, for the messages about a rank that stopped answering."""
+        for r, (pid, host) in enumerate(self.call_all("process")):
+            self.names[r] = f"rank {first_rank + r} (pid {pid} on {host})"
+        logger.info("started %s", ", ".join(self.names))
 
     def submit(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Pending:
         """Start `worker[r].method(per_rank[0][r], ..., **kwargs)` on every rank; `.result()` waits."""
@@ -117,7 +138,7 @@ class RankGroup:
             getattr(worker, method).remote(*(args[rank] for args in per_rank), **kwargs)
             for rank, worker in enumerate(self.workers)
         ]
-        return Pending(method, refs)
+        return Pending(method, refs, self)
 
     def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
         """`submit`, then wait: results by rank."""
@@ -137,11 +158,11 @@ class RankGroup:
             .remote(*(args[rank] for args in per_rank), **kwargs)
             for rank, worker in enumerate(self.workers)
         ]
-        return Streaming(method, generators)
+        return Streaming(method, generators, self)
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):  # best effort: the processes are killed next anyway
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=SHUTDOWN_WAIT_S)
         for worker in self.workers:
             ray.kill(worker)
         if self.placement is not None:
@@ -154,16 +175,34 @@ class Pending:
 
     method: str
     refs: list[Any]
+    group: RankGroup
 
     def result(self) -> list[Any]:
+        """The results by rank. A rank's failure is raised as soon as it arrives (its peers may be
+        waiting for it in a collective); ranks silent past the call's limit raise `RankHang`."""
+        deadlines, clock = self.group.deadlines, Stopwatch()
+        limit = deadlines.limit(self.method)
+        position = {ref: rank for rank, ref in enumerate(self.refs)}
+        waiting = list(self.refs)
+        while waiting:
+            # slices of <= 1 s: the driver's signal handlers (SIGTERM) run between them
+            timeout = 1.0 if limit is None else min(1.0, max(limit - clock.elapsed(), 0.0))
+            ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=timeout)
+            for ref in ready:
+                _get(self.method, ref)
+            if waiting and limit is not None and clock.elapsed() >= limit:
+                silent = [self.group.names[position[ref]] for ref in waiting]
+                raise deadlines.hang_error(self.method, clock.elapsed(), silent)
+        deadlines.record(self.method, clock.elapsed())
         return _get(self.method, self.refs)
 
 
 class Streaming:
-    """Generator calls in flight on a group's ranks (`RankGroup.stream`)."""
+    """Generator calls in flight on a group's ranks (`RankGroup.stream`); the whole stream has the
+    limit of one call of its method."""
 
-    def __init__(self, method: str, generators: list[Any]) -> None:
-        self.method = method
+    def __init__(self, method: str, generators: list[Any], group: RankGroup) -> None:
+        self.method, self.group, self.clock = method, group, Stopwatch()
         self.active = {id(g): (rank, g) for rank, g in enumerate(generators)}
 
     @property
@@ -186,7 +225,18 @@ class Streaming:
                 del self.active[id(generator)]
                 continue
             items.append((rank, _get(self.method, ref)))
+        self._check_deadline()
         return items
+
+    def _check_deadline(self) -> None:
+        deadlines = self.group.deadlines
+        if not self.active:
+            deadlines.record(self.method, self.clock.elapsed())
+            return
+        limit = deadlines.limit(self.method)
+        if limit is not None and self.clock.elapsed() >= limit:
+            silent = [self.group.names[rank] for rank, _ in self.active.values()]
+            raise deadlines.hang_error(self.method, self.clock.elapsed(), silent)
 
 
 def _get(method: str, refs: Any) -> Any:
@@ -197,7 +247,7 @@ def _get(method: str, refs: Any) -> Any:
     except ray.exceptions.RayTaskError as exc:
         raise WorkerError(f"rank worker failed in {method}: {root_cause(exc)}") from _debug_cause(exc)
     except ray.exceptions.ActorDiedError as exc:
-        raise WorkerError(f"a rank worker died during {method}: {exc}") from _debug_cause(exc)
+        raise WorkerDied(f"a rank worker died during {method}: {exc}") from _debug_cause(exc)
 
 
 def _debug_cause(exc: BaseException) -> BaseException | None:
@@ -238,13 +288,19 @@ def start_rank_groups(config: PPOConfig) -> RankRoles:
     train_world = config.train_world_size
     master_ip, master_port = address(0)  # the training world's rendezvous: rank 0's node
     role = "hybrid" if train_world == config.world_size else "train"
+    deadlines = CallDeadlines(config.trainer.hang_timeout)
     train = RankGroup(
-        [start(r, r, train_world, master_ip, master_port, role) for r in range(train_world)], placement
+        [start(r, r, train_world, master_ip, master_port, role) for r in range(train_world)],
+        placement,
+        deadlines,
     )
+    train.identify()
     if role == "hybrid":
         return RankRoles(train, train)
     rollout = [start(r, 0, 1, *address(r), "rollout") for r in range(train_world, config.world_size)]
-    return RankRoles(train, RankGroup(rollout))
+    engines = RankGroup(rollout, deadlines=deadlines)
+    engines.identify(first_rank=train_world)
+    return RankRoles(train, engines)
 
 
 def root_cause(exc: BaseException) -> str:

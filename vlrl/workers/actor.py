@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from vlrl.algorithms import aggregate_loss, compute_kl_loss, compute_policy_loss, count_tokens_and_seqs
 from vlrl.config import ActorConfig, AlgorithmConfig
@@ -53,10 +54,16 @@ from vlrl.workers.checkpoint_io import (
     state_placement,
 )
 from vlrl.workers.fsdp import fsdp_offloads_to_cpu, full_state_dict, move_optimizer_state, move_params
-from vlrl.workers.optim import build_lr_scheduler, build_optimizer, clip_and_step
+from vlrl.workers.optim import any_nonfinite, build_lr_scheduler, build_optimizer, clip_and_step
 from vlrl.workers.sharded_model import ShardedModel, ShardSpec
 
 logger = logging.getLogger(__name__)
+
+
+class NonFiniteTraining(RuntimeError):
+    """The update produced inf/nan weights, or too many non-finite gradients in a row."""
+
+
 TOKEN_METRICS = ("pg_clipfrac_higher", "pg_clipfrac_lower", "ppo_kl", "entropy")
 LOSS_METRICS = ("pg_loss", "kl_loss")
 
@@ -159,6 +166,7 @@ class Actor:
         self.set_total_steps(total_steps)
         self.global_step = 0  # optimizer steps attempted (skipped ones included)
         self.skipped_steps = 0  # over the whole run
+        self.skipped_in_a_row = 0  # optimizer steps skipped for a non-finite gradient norm, in a row
         self.offload_params, self.offload_optimizer = manual_offload(cfg, self.model.device)
 
     def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
@@ -324,10 +332,32 @@ class Actor:
         stats.grad_norms.append(norm)
         stats.skipped += int(skipped)
         self.skipped_steps += int(skipped)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        limit = self.cfg.max_nonfinite_steps
+        if limit > 0 and self.skipped_in_a_row >= limit:
+            raise NonFiniteTraining(
+                f"{limit} optimizer steps in a row had a non-finite gradient norm ({norm}); each was skipped. "
+                "The loss or the weights may have become inf/nan (a learning rate too high, or a corrupt "
+                "checkpoint): resume from an earlier checkpoint or lower worker.actor.optim.lr "
+                "(worker.actor.max_nonfinite_steps sets the limit)"
+            )
+        if not skipped and not self.weights_finite():
+            raise NonFiniteTraining(
+                f"optimizer step {self.global_step} made the weights inf/nan (gradient norm {norm:.4g}): the "
+                "optimizer state may be corrupt or the update too large; the run stops before saving them. "
+                "Resume from the latest checkpoint, with a lower worker.actor.optim.lr if it happens again"
+            )
+
+    def weights_finite(self) -> bool:
+        """Whether every rank's shards hold only finite values (the same answer on every rank)."""
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.params]
+        bad = any_nonfinite([t.detach() for t in local if t.numel()])
+        return self.model.all_reduce([float(bad)], dist.ReduceOp.MAX)[0] == 0
 
     def _has_advantage(self, mini: RolloutBatch) -> bool:
         """Whether any rank's mini-batch has a non-zero advantage on a response token."""
-        local = float((mini.tensor("advantages") * mini.response_mask).abs().sum() > 0) if len(mini) else 0.0
+        signal = (mini.tensor("advantages") * mini.response_mask).abs().sum() if len(mini) else 0.0
+        local = float(signal != 0)  # nan counts (nan != 0): the step is taken and its norm guarded
         return self.model.all_reduce([local], dist.ReduceOp.MAX)[0] > 0
 
     def skip_step(self, stats: _UpdateStats) -> None:
@@ -365,6 +395,8 @@ class Actor:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        if not self.weights_finite():  # on every rank alike: no rank enters the collective save alone
+            raise NonFiniteTraining(f"the weights hold inf/nan: no checkpoint is written to {path}")
         os.makedirs(path, exist_ok=True)
         module = self.model.module
         model_sd, optim_sd = get_state_dict(module, self.optimizer, options=self._state_dict_options())

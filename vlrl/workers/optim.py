@@ -116,6 +116,15 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
     return float(total)
 
 
+def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
+    """Whether any of the tensors holds inf or nan: one fused max-abs per tensor (inf-norm: finite
+    exactly when every element is, and unlike the 2-norm it cannot overflow), then one reduction."""
+    if not tensors:
+        return False
+    norms = torch._foreach_norm(tensors, ord=float("inf"))
+    return not bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+
+
 def clip_and_step(
     optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float
 ) -> tuple[float, bool]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -267,9 +268,25 @@ class RankWorker:
         self.actor.load_checkpoint(path)
         return self.sync_weights() if self.role == "hybrid" else {}
 
+    def process(self) -> tuple[int, str]:
+        """(pid, host) of this rank's process, for messages about it."""
+        return os.getpid(), socket.gethostname()
+
+    def digest_checkpoint_files(self, folder: str) -> dict[str, dict[str, Any]]:
+        """This rank's share of a checkpoint's checksums (file i of the sorted list when i % world == rank)."""
+        from vlrl.trainer.checkpoint_files import digest_files
+
+        return digest_files(folder, self.rank, self.world_size)
+
+    def verify_checkpoint_files(self, folder: str, files: dict[str, dict[str, Any]]) -> list[str]:
+        """This rank's share of checking a checkpoint's files against their checksums."""
+        from vlrl.trainer.checkpoint_files import verify_files
+
+        return verify_files(folder, files, self.rank, self.world_size)
+
     def probe_shared_path(self, marker: str, token: str) -> tuple[bool, str]:
         """Whether this rank sees the driver's checkpoint folder (`check_shared_filesystem`)."""
-        from vlrl.trainer.checkpoint import probe_shared_path
+        from vlrl.trainer.checkpoint_files import probe_shared_path
 
         return probe_shared_path(marker, token, self.rank)
 

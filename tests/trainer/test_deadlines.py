@@ -1,0 +1,62 @@
+"""A hung rank stops the run: limits from `trainer.hang_timeout` and the measured call times, and a
+group whose rank never answers raises RankHang naming it (a real Ray actor that sleeps)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import ray
+
+from vlrl.trainer.deadlines import CallDeadlines, RankHang
+from vlrl.trainer.ray_workers import RankGroup
+
+
+def test_limits_grow_with_the_longest_call() -> None:
+    deadlines = CallDeadlines(30)
+    assert deadlines.limit("update") == 30  # nothing measured: the floor
+    deadlines.record("update", 2.0)
+    assert deadlines.limit("update") == 30
+    deadlines.record("update", 7.5)
+    deadlines.record("update", 1.0)  # the longest counts
+    assert deadlines.limit("update") == 75
+    assert deadlines.limit("generate") == 30  # each method its own
+    assert CallDeadlines(0).limit("update") is None  # 0: no limit
+
+
+class _Sleeper:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def process(self) -> tuple[int, str]:
+        return 1000 + self.rank, "node-a"
+
+    def nap(self, seconds_by_rank: dict[int, float]) -> int:
+        time.sleep(seconds_by_rank.get(self.rank, 0.0))
+        return self.rank
+
+    def fail(self) -> None:
+        raise ValueError("bad shard")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_a_rank_that_does_not_answer_is_named(local_ray) -> None:
+    group = RankGroup([ray.remote(_Sleeper).remote(r) for r in range(2)])
+    group.identify()  # without a limit: starting the actors may take seconds on a loaded machine
+    assert group.call_all("nap", {}) == [0, 1]
+    group.deadlines = CallDeadlines(3)
+    start = time.monotonic()
+    with pytest.raises(RankHang, match=r"^rank 1 \(pid 1001 on node-a\) did not finish nap within 3 s"):
+        group.call_all("nap", {1: 60.0})
+    assert time.monotonic() - start < 30
+    with pytest.raises(Exception, match="bad shard"):  # a failure is raised at once, not waited out
+        group.call_all("fail")
+    group.shutdown()
