@@ -39,8 +39,8 @@ class CallDeadlines:
         return RankHang(
             f"{', '.join(silent)} did not finish {method} within {waited:.0f} s (the limit: "
             f"max(trainer.hang_timeout={self.hang_timeout:g}, {FACTOR:g} x the longest {method} so far, "
-            f"{self.longest.get(method, 0.0):.1f} s)): the run stops as hung. A rank stopped or stuck in a "
-            "collective its peers left; if the call is slow by nature, raise trainer.hang_timeout"
+            f"{self.longest.get(method, 0.0):.1f} s)), so the call is given up as hung: a rank stopped, or is "
+            "stuck in a collective its peers left. If the call is slow by nature, raise trainer.hang_timeout"
         )
 
 
