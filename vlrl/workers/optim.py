@@ -119,6 +119,10 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
 def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
     """Whether any of the tensors holds inf or nan: one fused max-abs per tensor (inf-norm: finite
     exactly when every element is, and unlike the 2-norm it cannot overflow), then one reduction."""
+    # torch 2.13 refuses the inf-norm of an empty tensor (torch/_meta_registrations.py
+    # `meta_foreach_norm`; a rank's FSDP shard can be empty), on CPU and CUDA alike; on CUDA the
+    # fused kernel handles bf16 and returns one 0-dim tensor per input, and `bool` below is the one sync.
+    tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return False
     norms = torch._foreach_norm(tensors, ord=float("inf"))
