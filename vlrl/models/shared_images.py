@@ -10,8 +10,8 @@ reuses the same tensors, so autograd sums the copies' gradients into the one enc
 and the gradient are those of the per-copy computation (tests check log-probs and gradients).
 
 All three Qwen-VL generations return `pooler_output` as a tuple of per-image tensors (Qwen3-VL also
-`deepstack_features`: one such tuple per deepstack layer) and concatenate them in the forward, which
-is what the indexing relies on; `share_image_features` refuses a model without `get_image_features`.
+`deepstack_features`: one such tuple per deepstack layer in transformers 5.19, one tensor per layer
+before; see `_pick_layer`) and concatenate them in the forward, which is what the indexing relies on; `share_image_features` refuses a model without `get_image_features`.
 
 Videos work the same way with `vlrl_video_index` (per video in token order: its position among
 the distinct videos), wrapping `get_video_features`.
@@ -48,11 +48,24 @@ def _rows(per_image: Any, rows: tuple[int, int]) -> tuple:
 
 def _pick(output: Any, pick: Any, arg: Any) -> Any:
     """`output` with its per-item features (and deepstack features) reduced by `pick(.., arg)`."""
+    sizes = [len(item) for item in output.pooler_output]  # feature rows per distinct item
     output.pooler_output = pick(output.pooler_output, arg)
     deepstack = getattr(output, "deepstack_features", None)
     if deepstack is not None:
-        output.deepstack_features = [pick(layer, arg) for layer in deepstack]
+        output.deepstack_features = [_pick_layer(layer, sizes, pick, arg) for layer in deepstack]
     return output
+
+
+def _pick_layer(layer: Any, sizes: list[int], pick: Any, arg: Any) -> Any:
+    """One deepstack layer reduced like `pooler_output`, in the layout the forward expects.
+
+    transformers 5.19 splits each layer per item, as `pooler_output`, and the forward concatenates
+    them; 5.16-5.18 return each layer as one tensor (rows of all items, in order) that the forward
+    uses as is (`Qwen3VL[Moe]Model.get_image_features` / `forward`). Picking from such a tensor
+    directly would index feature rows, not items: split it, pick, and hand back one tensor."""
+    if isinstance(layer, torch.Tensor):
+        return torch.cat(pick(torch.split(layer, sizes), arg), 0)
+    return pick(layer, arg)
 
 
 def share_image_features(model: torch.nn.Module) -> None:
