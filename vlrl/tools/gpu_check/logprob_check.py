@@ -18,6 +18,7 @@ experts are near a tie may switch expert between packed and padded; the bounds s
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,6 +106,7 @@ def _packed_vs_padded(ctx: Context, outcome: Outcome, arch: str) -> None:
                     results[name] = _variant(model_dir, device, batch, weights, packed, compute)
             except Exception as err:  # noqa: BLE001 (recorded as this check's failure)
                 outcome.details.setdefault("errors", {})[name] = f"{type(err).__name__}: {err}"
+                outcome.details.setdefault("tracebacks", {})[name] = traceback.format_exc()[-4000:]
                 outcome.failures.append(f"{name}: raised {type(err).__name__}: {str(err)[:200]}")
     for name, (lp, _) in results.items():
         outcome.expect(bool(torch.isfinite(lp).all()), f"{name}: non-finite log-probs")
