@@ -25,3 +25,17 @@ def test_lora_rank_loads_with_easyr1_defaults(base: list[str]) -> None:
 def test_bad_lora_values_fail_at_start_up(base: list[str], overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config([*base, *overrides])
+
+
+def test_a_lora_base_is_stored_in_the_compute_dtype_on_gpu_only() -> None:
+    """The frozen base needs no fp32 master copy on GPU (half the memory); CPU computes in fp32."""
+    import torch
+
+    from vlrl.config import FSDPConfig
+    from vlrl.workers.fsdp import frozen_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert frozen_dtype(FSDPConfig(), cuda) == torch.bfloat16
+    assert frozen_dtype(FSDPConfig(mp_param_dtype="fp16"), cuda) == torch.float16
+    assert frozen_dtype(FSDPConfig(), cpu) == torch.float32
+    assert frozen_dtype(FSDPConfig(torch_dtype="fp32"), cuda) == torch.float32  # an explicit choice wins

@@ -84,6 +84,18 @@ def check_reference_reshards(model_dir: str, results: dict[str, Any]) -> None:
     results["ref/after"] = sharded(reference.model.module)
 
 
+def check_actor_log_probs_reshard(model_dir: str, results: dict[str, Any]) -> None:
+    """The actor's old log-prob pass (no backward follows) leaves only shards, root unit included,
+    with the default full shard and with enable_full_shard=false."""
+    _, processor = load_processor(model_dir)
+    batch = make_batch(model_dir, SPECS, seed=5)
+    for full_shard in (True, False):
+        config = make_config(model_dir, worker__actor__fsdp__enable_full_shard=full_shard)
+        actor = build_actor(config, processor, "cpu", model_path=model_dir)
+        actor.compute_log_probs(batch, 1.0)
+        results[f"actor_lp/after/{full_shard}"] = sharded(actor.model.module)
+
+
 def check_root_stays_gathered_for_backward(model_dir: str, results: dict[str, Any]) -> None:
     """Default (full shard): after a training forward the layers are freed, the root is not."""
     _, processor = load_processor(model_dir)
@@ -103,6 +115,7 @@ def run(rank: int, world: int, port: int, models: dict[str, str], out_dir: str) 
     try:
         check_resume(models["qwen2"], out_dir, results)
         check_reference_reshards(models["qwen2"], results)
+        check_actor_log_probs_reshard(models["qwen2"], results)
         check_root_stays_gathered_for_backward(models["qwen2"], results)
     finally:
         dist.destroy_process_group()

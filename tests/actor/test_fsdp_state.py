@@ -47,6 +47,12 @@ def test_reference_reshards_after_its_forward_without_full_shard(job):
     assert not gathered, f"still gathered after the reference forward: {gathered[:5]}"
 
 
+@pytest.mark.parametrize("full_shard", [True, False])
+def test_actor_log_prob_pass_leaves_only_shards(job, full_shard):
+    gathered = [name for name, is_shard in job[f"actor_lp/after/{full_shard}"].items() if not is_shard]
+    assert not gathered, f"still gathered after the old log-prob pass: {gathered[:5]}"
+
+
 def test_root_unit_is_not_regathered_for_backward(job):
     assert job["root/layers_after_forward"] and all(job["root/layers_after_forward"].values())
     root = job["root/after_forward"]

@@ -47,6 +47,17 @@ def master_dtype(fsdp: FSDPConfig) -> torch.dtype:
     return parse_dtype(fsdp.torch_dtype, torch.float32)
 
 
+def frozen_dtype(fsdp: FSDPConfig, device: torch.device) -> torch.dtype:
+    """Dtype of weights that get no gradient (a LoRA actor's base): the compute dtype on GPU.
+
+    They need no fp32 master copy: in fp32 a 7B base would take 28 GB instead of 14 GB and be cast
+    at every all-gather. `torch_dtype` still wins when set; on CPU (fp32 compute) it is fp32."""
+    mp = mixed_precision(fsdp, device)
+    if fsdp.torch_dtype is not None or mp is None or mp.param_dtype is None:
+        return master_dtype(fsdp)
+    return mp.param_dtype
+
+
 def mixed_precision(fsdp: FSDPConfig, device: torch.device) -> MixedPrecisionPolicy | None:
     """bf16 (`mp_param_dtype`) compute with `mp_reduce_dtype` gradient reduction on GPU; None on CPU."""
     if device.type == "cpu":

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from vlrl.config import RefConfig
 from vlrl.protocol import RolloutBatch
-from vlrl.workers.fsdp import move_params, reshard
+from vlrl.workers.fsdp import move_params
 from vlrl.workers.sharded_model import ShardedModel, ShardSpec
 from vlrl.workers.vision import VisionCache
 
@@ -66,9 +66,8 @@ class Reference:
         if self.offload:
             move_params(model.module, model.device)
         try:
-            return model.compute_log_probs(batch, temperature)
+            return model.compute_log_probs(batch, temperature)  # reshards every unit at its end
         finally:
-            reshard(model.module)  # no backward follows: free what the forward gathered
             if self.offload:
                 move_params(model.module, "cpu")
             if model.vision is not None and model.owns_vision_cache:
@@ -103,7 +102,4 @@ class AdapterOffReference:
         """Reference log-probs [N, R]: the actor's forward with every adapter disabled."""
         module: Any = self.model.module  # an FSDP-sharded peft.PeftModel
         with module.disable_adapter():
-            try:
-                return self.model.compute_log_probs(batch, temperature, self.micro_batch_size)
-            finally:
-                reshard(module)  # no backward follows: free what the forward gathered
+            return self.model.compute_log_probs(batch, temperature, self.micro_batch_size)

@@ -31,7 +31,14 @@ from vlrl.models.sampling import SamplingDistribution, banned_token_ids
 from vlrl.models.ulysses import build_sequence_parallel, head_errors
 from vlrl.protocol import RolloutBatch
 from vlrl.workers.balance import count_micro_batches, micro_batches_by_tokens
-from vlrl.workers.fsdp import apply_fsdp, broadcast_weights_from_rank0, master_dtype, world_info
+from vlrl.workers.fsdp import (
+    apply_fsdp,
+    broadcast_weights_from_rank0,
+    frozen_dtype,
+    master_dtype,
+    reshard,
+    world_info,
+)
 from vlrl.workers.vision import VisionCache, dummy_image_anchor, text_anchor
 
 
@@ -160,9 +167,11 @@ class ShardedModel:
         model_cfg, fsdp_cfg = self.spec.model, self.spec.fsdp
         rank0_init = fsdp_cfg.enable_rank0_init and self.world_size > 1
         on_meta = rank0_init and self.rank != 0
+        lora = trainable and model_cfg.lora.rank > 0
         model = load_model(
             self.spec.model_path,
-            dtype=master_dtype(fsdp_cfg),
+            # a LoRA base is frozen: compute dtype on GPU (`frozen_dtype`), adapters fp32 below
+            dtype=frozen_dtype(fsdp_cfg, self.device) if lora else master_dtype(fsdp_cfg),
             overrides=dict(model_cfg.override_config),
             padding_free=self.spec.padding_free,
             gradient_checkpointing=trainable and model_cfg.enable_gradient_checkpointing,
@@ -172,9 +181,12 @@ class ShardedModel:
         )
         if not trainable:
             model.requires_grad_(False)
-        elif model_cfg.lora.rank > 0:
+        elif lora:
             # adapters on the text decoder's linears; every base weight is frozen (vlrl.models.lora)
             model = apply_lora(model, model_cfg.lora)
+            for param in model.parameters():
+                if param.requires_grad:  # the adapters: trained, so kept in the master dtype
+                    param.data = param.data.to(master_dtype(fsdp_cfg))
         full = model.state_dict() if rank0_init and self.rank == 0 else None
         apply_fsdp(model, self.device, fsdp_cfg)
         if rank0_init:
@@ -293,12 +305,16 @@ class ShardedModel:
         """Log-probs [N, R] (fp32, CPU) of `batch.responses` under this model; 0 on padding.
 
         Taken on the sampling distribution at `temperature` (banned tokens removed), in micro-batches
-        of `micro_batch_size` samples (default: `spec.micro_batch_size`)."""
+        of `micro_batch_size` samples (default: `spec.micro_batch_size`). Every FSDP unit is
+        resharded afterwards: no backward follows to free what the forwards gathered (`reshard`)."""
         self.module.eval()
         media_anchor = self.any_rank_has_media(batch)
         out = torch.zeros(batch.responses.shape, dtype=torch.float32)
-        for rows in self.plan_micro_batches(batch, micro_batch_size or self.spec.micro_batch_size):
-            result = self.forward_micro_batch(batch.select(rows), temperature, media_anchor)
-            if rows:
-                out[rows] = result.log_probs.cpu()
+        try:
+            for rows in self.plan_micro_batches(batch, micro_batch_size or self.spec.micro_batch_size):
+                result = self.forward_micro_batch(batch.select(rows), temperature, media_anchor)
+                if rows:
+                    out[rows] = result.log_probs.cpu()
+        finally:
+            reshard(self.module)
         return out
