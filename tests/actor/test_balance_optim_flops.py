@@ -12,6 +12,7 @@ from PIL import Image
 
 from vlrl.config import OptimConfig
 from vlrl.utils.flops import decoder_matmul_params, forward_flops, measured_cpu_peak, mfu, training_flops
+from vlrl.workers import optim
 from vlrl.workers.balance import (
     balance_across_ranks,
     count_micro_batches,
@@ -97,6 +98,39 @@ def test_adamw_bf16_tracks_adamw():
     assert (weights[0] - weights[1]).abs().mean() < 0.05 * moved
 
 
+def _adamw_bf16_by_hand(w, grads, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, decay=0.1):
+    """AdamW with bf16-stored moments, one parameter, written out per step (fp32 arithmetic)."""
+    m = torch.zeros_like(w, dtype=torch.bfloat16)
+    v = torch.zeros_like(w, dtype=torch.bfloat16)
+    for t, g in enumerate(grads, start=1):
+        m32 = m.float() * betas[0] + (1 - betas[0]) * g
+        v32 = v.float() * betas[1] + (1 - betas[1]) * g * g
+        m, v = m32.bfloat16(), v32.bfloat16()
+        update = (m32 / (1 - betas[0] ** t)) / ((v32 / (1 - betas[1] ** t)).sqrt() + eps) + decay * w
+        w = w - lr * update
+    return w
+
+
+def test_adamw_bf16_foreach_chunks_match_the_formula(monkeypatch):
+    """Several parameters in several chunks, one of them skipped on a step (its own step count)."""
+    monkeypatch.setattr(optim, "CHUNK_ELEMENTS", 40)  # 3 chunks: [6x6], [4x5], [3]
+    torch.manual_seed(0)
+    shapes = [(6, 6), (4, 5), (3,)]
+    start = [torch.randn(s) for s in shapes]
+    params = [torch.nn.Parameter(w.clone()) for w in start]
+    opt = AdamWBf16(params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    seen: list[list[torch.Tensor]] = [[] for _ in shapes]
+    for step in range(5):
+        for i, p in enumerate(params):
+            p.grad = None if (i == 2 and step == 1) else torch.randn(p.shape)
+            if p.grad is not None:
+                seen[i].append(p.grad.clone())
+        opt.step()
+    assert [float(opt.state[p]["step"]) for p in params] == [5.0, 5.0, 4.0]
+    for p, w0, grads in zip(params, start, seen):
+        torch.testing.assert_close(p.detach(), _adamw_bf16_by_hand(w0, grads), rtol=1e-6, atol=1e-7)
+
+
 def test_non_finite_step_is_skipped_and_finite_step_is_clipped():
     w = torch.nn.Parameter(torch.ones(3))
     opt = build_optimizer([w], _opt_cfg(lr=0.1, weight_decay=0.0))
@@ -125,6 +159,8 @@ def test_flops_by_hand():
     n = decoder_matmul_params(cfg)
     assert forward_flops(cfg, [4]) == 2 * n * 4 + 4 * 3 * 2 * 4 * (4 * 5 / 2)
     assert training_flops(cfg, [4, 2]) == 3 * (forward_flops(cfg, [4]) + forward_flops(cfg, [2]))
+    # logits for 3 of the 4 positions (the response): the lm head (80 params) runs 3 times, not 4
+    assert forward_flops(cfg, [4], head_tokens=3) == forward_flops(cfg, [4]) - 2 * 80
 
 
 def test_moe_flops_count_active_parameters_only():

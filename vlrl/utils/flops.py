@@ -1,6 +1,7 @@
 """Model FLOPs of the text decoder and MFU (model FLOPs utilization).
 
-What is counted: the decoder's matmuls (attention projections, gated MLP, lm head) at 2 FLOPs per
+What is counted: the decoder's matmuls (attention projections, gated MLP; the lm head on the
+positions whose logits are computed, the response tokens in training) at 2 FLOPs per
 multiply-add per token (mixture-of-experts layers: the router and the top-k experts a token is routed
 to, i.e. the active parameters, not all experts; `vlrl.models.moe`), plus the attention scores and weighted sums (QK^T and AV), which grow with
 the context each token attends to (causal: token t attends to t keys of its own sequence; packed
@@ -71,20 +72,27 @@ def decoder_matmul_params(hf_config: Any) -> int:
     return c.num_hidden_layers * attn + mlp + h * c.vocab_size
 
 
-def forward_flops(hf_config: Any, seq_lengths: Sequence[int]) -> float:
-    """Forward FLOPs of the decoder over independent (packed or padded-away) sequences."""
+def forward_flops(hf_config: Any, seq_lengths: Sequence[int], head_tokens: int | None = None) -> float:
+    """Forward FLOPs of the decoder over independent (packed or padded-away) sequences.
+
+    `head_tokens`: positions whose logits are computed. vlrl scores responses only
+    (`logits_to_keep`, vlrl.models.packing), so the lm head (hidden x vocab per token: 1-2% of a 3B
+    model's FLOPs, more with long image prompts) runs on the response tokens; None: every token."""
     c = _text_config(hf_config)
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    dense = 2.0 * decoder_matmul_params(hf_config) * sum(seq_lengths)
+    tokens = sum(seq_lengths)
+    head = c.hidden_size * c.vocab_size
+    body = decoder_matmul_params(hf_config) - head
+    dense = 2.0 * (body * tokens + head * (tokens if head_tokens is None else head_tokens))
     # QK^T and AV: 2 matmuls x 2 FLOPs x heads x head_dim per (query, key) pair; L(L+1)/2 causal pairs.
     pairs = sum(n * (n + 1) / 2 for n in seq_lengths)
     attention = 4.0 * c.num_hidden_layers * c.num_attention_heads * hd * pairs
     return dense + attention
 
 
-def training_flops(hf_config: Any, seq_lengths: Sequence[int]) -> float:
-    """Forward + backward model FLOPs (3 x forward) of one pass over `seq_lengths`."""
-    return 3.0 * forward_flops(hf_config, seq_lengths)
+def training_flops(hf_config: Any, seq_lengths: Sequence[int], head_tokens: int | None = None) -> float:
+    """Forward + backward model FLOPs (3 x forward) of one pass over `seq_lengths` (see `forward_flops`)."""
+    return 3.0 * forward_flops(hf_config, seq_lengths, head_tokens)
 
 
 def flops_per_token(hf_config: Any, context: int) -> float:

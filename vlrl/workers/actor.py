@@ -247,7 +247,8 @@ class Actor:
         lengths = batch.attention_mask.sum(-1).tolist()
         epochs = self.cfg.ppo_epochs
         model = self.model
-        flops = epochs * training_flops(model.hf_config, lengths)
+        # logits are computed for the response tokens only (the lm head's share of the FLOPs)
+        flops = epochs * training_flops(model.hf_config, lengths, int(batch.response_mask.sum()))
         peak = peak_flops(model.device) or float("nan")
         # a rank of a Ulysses group runs 1/sp of its rows' tokens; the sum over ranks counts them once
         sp = model.spec.ulysses_size

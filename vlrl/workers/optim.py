@@ -26,8 +26,37 @@ STRATEGIES = ("adamw", "adamw_bf16")
 SCHEDULES = ("constant", "cosine")
 
 
+# fp32 temporaries of one AdamWBf16 chunk (grads, both moments, the update): at most ~4 x 256 MiB
+CHUNK_ELEMENTS = 1 << 26
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (sharing its storage: in-place writes reach the DTensor), else `t`.
+
+    Elementwise optimizer math needs no communication, and plain-tensor foreach kernels skip
+    DTensor's per-op dispatch (~10 ops per parameter, ~700 parameters at 7B)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _chunks(params: list[torch.nn.Parameter], limit: int) -> list[list[torch.nn.Parameter]]:
+    """Consecutive runs of `params` of at most `limit` local elements each (a larger one alone)."""
+    out: list[list[torch.nn.Parameter]] = []
+    size = limit
+    for p in params:
+        n = local(p).numel()
+        if size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += n
+    return out
+
+
 class AdamWBf16(torch.optim.Optimizer):
-    """AdamW with bf16 first/second moments; fp32 arithmetic for the update (decoupled decay)."""
+    """AdamW with bf16 first/second moments; fp32 arithmetic for the update (decoupled decay).
+
+    The update runs as foreach (multi-tensor) kernels on each rank's local shards, in chunks of
+    `CHUNK_ELEMENTS` so the fp32 temporaries stay small next to the bf16 states they save."""
 
     def __init__(
         self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
@@ -38,29 +67,42 @@ class AdamWBf16(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, decay = float(group["lr"]), group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
                 state["step"] += 1
-                t = float(state["step"])
-                grad = p.grad.float()
-                m = state["exp_avg"].float().mul_(beta1).add_(grad, alpha=1 - beta1)
-                v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                state["exp_avg"].copy_(m)
-                state["exp_avg_sq"].copy_(v)
-                denom = (v / (1 - beta2**t)).sqrt_().add_(eps)
-                update = (m / (1 - beta1**t)).div_(denom)
-                if decay:
-                    update.add_(p.float(), alpha=decay)
-                p.add_(update.to(p.dtype), alpha=-lr)
+            for chunk in _chunks([p for p in params if local(p).numel()], CHUNK_ELEMENTS):
+                self._update(chunk, group)
         return loss
+
+    def _update(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
+        """One AdamW step of `params` (local shards, one device): m, v in fp32, stored back in bf16."""
+        beta1, beta2 = group["betas"]
+        lr, eps, decay = float(group["lr"]), group["eps"], group["weight_decay"]
+        states = [self.state[p] for p in params]
+        steps = [float(s["step"]) for s in states]  # CPU scalars: no device sync
+        weights = [local(p) for p in params]
+        grads = [local(p.grad).float() for p in params if p.grad is not None]  # (all have one)
+        m = [local(s["exp_avg"]).float() for s in states]
+        v = [local(s["exp_avg_sq"]).float() for s in states]
+        torch._foreach_mul_(m, beta1)
+        torch._foreach_add_(m, grads, alpha=1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+        torch._foreach_copy_([local(s["exp_avg"]) for s in states], m)
+        torch._foreach_copy_([local(s["exp_avg_sq"]) for s in states], v)
+        denom = torch._foreach_div(v, [1 - beta2**t for t in steps])
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        update = torch._foreach_div(m, [1 - beta1**t for t in steps])
+        torch._foreach_div_(update, denom)
+        if decay:
+            torch._foreach_add_(update, [w.float() for w in weights], alpha=decay)
+        torch._foreach_add_(weights, [u.to(w.dtype) for u, w in zip(update, weights)], alpha=-lr)
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -141,9 +183,8 @@ def clip_and_step(
     if not skipped:
         if max_grad_norm > 0 and norm > max_grad_norm:
             coef = max_grad_norm / (norm + 1e-6)
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            grads = [local(p.grad) for p in params if p.grad is not None]
+            torch._foreach_mul_([g for g in grads if g.numel()], coef)  # one multi-tensor kernel
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, skipped
