@@ -38,8 +38,9 @@ def _per_sequence(q, k, v, lengths, causal):
     return torch.cat(outs, 2).transpose(1, 2)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_varlen_kernel_matches_per_sequence_sdpa_bf16_gqa(causal):
+@pytest.mark.parametrize(("causal", "dim"), [(True, 64), (False, 64), (False, 80), (False, 72)])
+def test_varlen_kernel_matches_per_sequence_sdpa_bf16_gqa(causal, dim):
+    """Text (causal, GQA) and vision (bidirectional; head dims 80 for Qwen2/2.5-VL, 72 for Qwen3-VL)."""
     from vlrl.models import attention
 
     backend = attention._resolve_backend("auto", torch.device("cuda"), torch.bfloat16)
@@ -47,16 +48,16 @@ def test_varlen_kernel_matches_per_sequence_sdpa_bf16_gqa(causal):
         pytest.skip("no varlen kernel in this torch / without flash-attn")
     torch.manual_seed(0)
     lengths = [1, 7, 300, 2048, 33]
-    shape = (1, 8, sum(lengths), 64)
+    shape = (1, 8, sum(lengths), dim)
     q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(1, 2, sum(lengths), 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, sum(lengths), dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
     info = attention.make_varlen_info(lengths, "cuda")
     if causal:
         out = attention.varlen_attention_forward(torch.nn.Module(), q, k, v, None, vlrl_varlen=info)[0]
     else:
         out = attention.vision_varlen_attention_forward(
-            torch.nn.Module(), q, k, v, None, cu_seq_lens_q=info.cu_seqlens
+            torch.nn.Module(), q, k, v, None, cu_seq_lens_q=info.cu_seqlens, max_length_q=max(lengths)
         )[0]
     ref = _per_sequence(q.float(), k.float(), v.float(), lengths, causal)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

@@ -46,10 +46,13 @@ class VarlenInfo:
     lengths: list[int]  # the S lengths as Python ints (no device sync inside the layers)
     backend: str = "auto"
     sp: SequenceParallel | None = None  # Ulysses: the layers see 1/sp of the tokens (see ulysses.py)
+    max_len: int | None = None  # the longest sequence when known without `lengths` (vision windows)
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def max_seqlen(self) -> int:
+        if self.max_len is not None:
+            return self.max_len
         return max(self.lengths) if self.lengths else 0
 
     def block_causal_mask(self) -> torch.Tensor:
@@ -272,12 +275,18 @@ def vision_varlen_attention_forward(
     kwargs.pop(VARLEN_ATTENTION, None)  # the text decoder's packing info may be passed down; not ours
     if cu_seq_lens_q is None:
         raise ValueError("vision attention needs cu_seq_lens_q (the window boundaries)")
-    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
-    info = VarlenInfo(cu_seqlens=cu_seq_lens_q.to(torch.int32), lengths=lengths)
     backend = _resolve_backend("auto", query.device, query.dtype)
     if backend in ("flash", "torch_varlen"):
+        # transformers computes the longest window once per vision forward and passes it to every
+        # block as `max_length_q` (5.17-5.19 `Qwen2_5_VLVisionAttention.forward`, via
+        # `get_max_seqlen`): using it avoids a GPU->CPU sync per block; lengths are not needed.
+        max_len = kwargs.get("max_length_q")
+        if max_len is None:
+            max_len = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
+        info = VarlenInfo(cu_seqlens=cu_seq_lens_q.to(torch.int32), lengths=[], max_len=int(max_len))
         out = _flash_varlen(query, key, value, info, scaling, dropout, backend, causal=False)
-    else:
+    else:  # per-window sdpa calls: the lengths are needed on the host anyway
+        lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
         out = _loop(query, key, value, lengths, scaling, dropout, causal=False)
     return out.transpose(1, 2).contiguous(), None
 
