@@ -104,6 +104,11 @@ def lora_scaling_of(model: torch.nn.Module) -> float:
     return settings.lora_alpha / settings.r
 
 
+def is_adapter_factor(name: str) -> bool:
+    """Whether a wrapped model's state_dict key is a `lora_A` / `lora_B` weight."""
+    return _LORA_PARTS.match(name) is not None
+
+
 def base_name(name: str) -> str:
     """The transformers name of a wrapped model's base parameter (`base_layer` and prefix removed)."""
     if name.startswith(PEFT_PREFIX):

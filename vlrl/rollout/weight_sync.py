@@ -96,24 +96,60 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def full_named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def full_named_tensors(
+    module: torch.nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every state_dict entry in order; DTensor shards are all-gathered.
 
-    A LoRA model (`vlrl.models.lora`) yields its merged weights under the transformers names."""
+    `dtype`: floating tensors are cast to it before the all-gather (a bf16 engine: half the bytes
+    gathered and a smaller peak than gathering fp32 and casting after). A tied weight (an lm head
+    sharing the embedding) is gathered once and sent under each of its names (`tied_aliases`). A LoRA model
+    (`vlrl.models.lora`) yields its merged weights under the transformers names; its adapter
+    factors are gathered in their own dtype (they are small) so the merge stays exact."""
     from vlrl.models.lora import is_lora_model, lora_scaling_of, merged_named_tensors
 
-    gathered = _gathered(module)
     if is_lora_model(module):
-        return merged_named_tensors(gathered, lora_scaling_of(module))
-    return gathered
+        return merged_named_tensors(_gathered(module, dtype, keep_factors=True), lora_scaling_of(module))
+    return _gathered(module, dtype)
 
 
-def _gathered(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def tied_aliases(module: torch.nn.Module) -> dict[str, list[str]]:
+    """{first name: later names of the same parameter} (tied embeddings: the lm head).
+
+    Decided from the module's structure, the same on every rank (each rank must run the same
+    all-gathers). The engines still want every name (vLLM 0.32's layerwise reload lists a tied
+    `lm_head.weight` among the parameters to load), so an alias gets the tensor already gathered."""
+    first: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases.setdefault(first[id(param)], []).append(name)
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def _gathered(
+    module: torch.nn.Module, dtype: torch.dtype | None, keep_factors: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """State_dict entries, all-gathered, cast first; a tied alias follows its first name at once."""
     from torch.distributed.tensor import DTensor
 
+    from vlrl.models.lora import is_adapter_factor
+
+    aliases = tied_aliases(module)
+    skip = {alias for names in aliases.values() for alias in names}
     for name, value in module.state_dict().items():
+        if name in skip:
+            continue
+        cast = dtype is not None and value.is_floating_point() and value.dtype != dtype
+        if cast and not (keep_factors and is_adapter_factor(name)):
+            value = value.to(dtype)  # a DTensor casts its local shard: no communication
         # full_tensor() is a collective: every rank reaches it in the same order.
-        yield name, value.full_tensor() if isinstance(value, DTensor) else value
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        yield name, full
+        for alias in aliases.get(name, ()):
+            yield alias, full
 
 
 def bucketize(
@@ -168,7 +204,7 @@ def sync_weights(module: torch.nn.Module, engine: Any, bucket_mb: float) -> dict
         base = torch.cuda.memory_allocated(device)
     else:
         stats.start_rss()
-    engine.load_weights(full_named_tensors(module), bucket_mb=bucket_mb, stats=stats)
+    engine.load_weights(full_named_tensors(module, engine.weight_dtype), bucket_mb=bucket_mb, stats=stats)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base
