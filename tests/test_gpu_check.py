@@ -206,6 +206,19 @@ def test_full_cpu_run_of_every_check_without_the_missing_packages(tmp_path: Path
     assert "ALL PASSED" in proc.stdout
 
 
+def test_a_missing_torchvision_stops_the_check_at_once_naming_it(tmp_path: Path) -> None:
+    """Issue 31, finding 1: without torchvision every model check failed (the tiny processors hold a
+    video processor), one of them after writing a 7.5 GB model; now the start-up says so in a line."""
+    out = tmp_path / "report.json"
+    code = (
+        "sys.modules['torchvision'] = None\n"
+        "from vlrl.tools.gpu_check.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    proc = _python(code, "--device", "cpu", "--out", str(out), timeout=120)
+    assert proc.returncode != 0 and not out.exists()
+    assert "gpu_check needs these packages, not installed here: torchvision" in proc.stderr
+
+
 def test_attention_check_catches_a_backend_that_mixes_sequences(tmp_path: Path, monkeypatch) -> None:
     """A "mask" backend whose mask lets a sequence see the one before it must be reported."""
     import torch

@@ -44,16 +44,39 @@ CHECKS = {
     for spec in (
         CheckSpec("attention", f"{_PKG}.attention_check:check_attention", 60,
                   "packed attention backends vs per-sequence SDPA, bf16 GQA, forward + grads, lengths 1..2048"),
-        CheckSpec("rank_worker", f"{_PKG}.worker_check:check_rank_worker", 120,
+        CheckSpec("rank_worker", f"{_PKG}.worker_check:check_rank_worker", 100,
                   "one RankWorker (HF rollout, KL loss, offloads): setup..resume..model-only save, memory per phase"),
-        CheckSpec("packed_vs_padded", f"{_PKG}.logprob_check:check_packed_vs_padded", 90,
+        CheckSpec("packed_vs_padded", f"{_PKG}.logprob_check:check_packed_vs_padded", 60,
                   "packed vs padded log-probs and gradients in bf16; fp32 device vs CPU"),
-        CheckSpec("moe_packed", f"{_PKG}.logprob_check:check_moe_packed_vs_padded", 60,
+        CheckSpec("moe_packed", f"{_PKG}.logprob_check:check_moe_packed_vs_padded", 30,
                   "packed_vs_padded on the tiny Qwen3-VL-MoE (grouped_mm experts, top-k routing in bf16)"),
-        CheckSpec("qwen3b_update", f"{_PKG}.qwen3b_check:check_qwen3b_update", 240,
-                  "actor update of a random-init Qwen2.5-VL-3B-shaped model: tokens/s, MFU, peak memory"),
+        CheckSpec("qwen3b_update", f"{_PKG}.qwen3b_check:check_qwen3b_update", 200,
+                  "Qwen2.5-VL-3B-shaped actor: log-probs, reference, update, LoRA load, weight-sync walk; memory"),
+        CheckSpec("optimizer", f"{_PKG}.optim_check:check_optimizer", 60,
+                  "AdamW vs AdamWBf16 step time and the grad clip on 3B parameter shapes (DTensors)"),
+        CheckSpec("lora", f"{_PKG}.lora_check:check_lora", 30,
+                  "LoRA actor (bf16 base, fp32 adapters): merged weights vs peft's merge_and_unload"),
     )
 }  # fmt: skip
+
+
+# import name -> what to install. torchvision: transformers' Qwen-VL video processors require it
+# (transformers/video_processing_utils.py, `@requires(backends=("vision", "torchvision"))`) and the
+# tiny models' processors include one; peft: the `lora` check.
+REQUIRED_PACKAGES = {"torch": "torch", "transformers": "transformers", "tokenizers": "tokenizers",
+                     "safetensors": "safetensors", "PIL": "pillow", "jinja2": "jinja2", "numpy": "numpy",
+                     "torchvision": "torchvision (the build matching torch)"}  # fmt: skip
+CHECK_PACKAGES = {"lora": {"peft": "peft"}}
+
+
+def missing_packages(specs: list[CheckSpec]) -> list[str]:
+    """What to install before `specs` can run (importlib's find_spec: nothing is imported)."""
+    import importlib.util
+
+    needed = dict(REQUIRED_PACKAGES)
+    for spec in specs:
+        needed.update(CHECK_PACKAGES.get(spec.name, {}))
+    return [install for name, install in needed.items() if importlib.util.find_spec(name) is None]
 
 
 def select(only: str | None, registry: dict[str, CheckSpec] = CHECKS) -> list[CheckSpec]:
@@ -104,8 +127,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     listing = "\n".join(f"  {s.name:<18} {s.what} (limit {s.limit_s:.0f} s)" for s in CHECKS.values())
     parser = argparse.ArgumentParser(
         prog="python -m vlrl.tools.gpu_check",
-        description="GPU acceptance check of vlrl on one GPU (see docs/gpu.md). Needs torch, transformers,\n"
-        "safetensors, pillow, jinja2, tokenizers, numpy; no vLLM, Ray, flash-attn or network.",
+        description="GPU acceptance check of vlrl on one GPU (see docs/gpu.md). Needs torch, torchvision,\n"
+        "transformers, safetensors, pillow, jinja2, tokenizers, numpy (peft for the lora check); no vLLM,\n"
+        "Ray, flash-attn or network.",
         epilog=f"checks:\n{listing}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -135,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the selected checks, write the report, print the table; exit status 1 if a check failed."""
     args = parse_args(argv)
     specs = select(args.only)
+    missing = missing_packages(specs)
+    if missing:  # found in a second, not after the first check has written a 7.5 GB model
+        raise SystemExit(f"gpu_check needs these packages, not installed here: {', '.join(missing)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -25,6 +25,7 @@ from vlrl.tools.gpu_check.inputs import (
 )
 from vlrl.tools.gpu_check.report import Outcome
 
+RETURN_MIB = 64  # allocated memory a no-grad pass may leave behind (its outputs are on the CPU)
 MFU_GOAL = 0.35  # issue 14's P5 goal for an H100 (EasyR1 reports 8.1% for 3B)
 
 # Qwen/Qwen2.5-VL-3B-Instruct's config.json (the model card's values; transformers 5.x'
@@ -156,6 +157,7 @@ def check_qwen3b_update(ctx: Context, outcome: Outcome) -> None:
         sync(ctx.device)
         logp_s = time.perf_counter() - t
         phases["log_probs"] = memory(ctx.device)
+        _reference_pass(ctx, config, processor, model_dir, batch, phases)
         actor.update_policy(batch)  # warm-up: allocator, optimizer states, kernels' first calls
         phases["warmup_update"] = memory(ctx.device)
         seconds, metrics = [], []
@@ -166,9 +168,12 @@ def check_qwen3b_update(ctx: Context, outcome: Outcome) -> None:
             sync(ctx.device)
             seconds.append(time.perf_counter() - t)
         phases["timed_updates"] = memory(ctx.device)
+        outcome.details["weight_sync"] = _sync_walk(actor, ctx, outcome)
         del actor
+        _release(ctx.device)
+        _lora_load(ctx, config, processor, model_dir, batch, outcome)
     update_s = min(seconds)
-    flops = training_flops(config_of(model_dir), lengths)
+    flops = training_flops(config_of(model_dir), lengths, int(batch.response_mask.sum()))
     peak_flop_s = peak_flops(ctx.device)
     mfu = flops / update_s / peak_flop_s if peak_flop_s else None
     outcome.details.update(update_seconds=seconds, log_prob_seconds=logp_s, train_flops=flops,
@@ -179,9 +184,108 @@ def check_qwen3b_update(ctx: Context, outcome: Outcome) -> None:
         outcome.summary["peak_mib"] = max(p["peak_allocated_mib"] for p in phases.values())
         # P5 goal (issue 14): MFU >= 35% on an H100. Reported, not a failure: it is a target.
         outcome.summary["mfu_goal_35pct_met"] = mfu is not None and mfu >= MFU_GOAL
+    if ctx.cuda:  # issue 31 finding 5: a no-grad pass must leave only the shards behind
+        for before, after in (("load", "log_probs"), ("ref_load", "ref_log_probs")):
+            grown = phases[after]["allocated_mib"] - phases[before]["allocated_mib"]
+            outcome.expect(grown <= RETURN_MIB, f"{grown:.0f} MiB still allocated after {after} "
+                           f"(more than {RETURN_MIB} MiB above {before}): gathered weights not freed")  # fmt: skip
     for m in metrics:
         outcome.expect(m["actor/grad_norm"] == m["actor/grad_norm"], f"NaN grad norm: {m['actor/grad_norm']}")
         outcome.expect(m["actor/skipped_steps"] == 0, "the optimizer skipped a step (non-finite gradient)")
+
+
+def _release(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _reference_pass(ctx: Context, config, processor, model_dir: Path, batch, phases: dict) -> None:
+    """The reference policy (bf16 on GPU) loaded and run once; memory after each; then freed."""
+    from vlrl.workers.from_config import build_reference
+
+    reference = build_reference(config, processor, ctx.device, model_path=str(model_dir))
+    phases["ref_load"] = memory(ctx.device)
+    reference.compute_log_probs(batch, 1.0)
+    phases["ref_log_probs"] = memory(ctx.device)
+    del reference
+    _release(ctx.device)
+
+
+class _CountingEngine:
+    """Stands in for a rollout engine in the weight-sync walk: counts what arrives, keeps nothing."""
+
+    weight_dtype = torch.bfloat16
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.largest = 0  # bytes of the largest tensor
+
+    def load_weights(self, named, bucket_mb=None, stats=None) -> None:
+        from vlrl.rollout.weight_sync import bucketize
+
+        for bucket in bucketize(named, bucket_mb or 512, self.weight_dtype, stats):
+            for name, tensor in bucket:
+                self.names.append(name)
+                self.largest = max(self.largest, tensor.numel() * tensor.element_size())
+
+
+def _sync_walk(actor, ctx: Context, outcome: Outcome) -> dict[str, Any]:
+    """`sync_weights` of the trained actor into `_CountingEngine`: every name (the tied lm head too)
+    arrives once, in bf16, with a peak of about one bucket and the largest tensor on top."""
+    from vlrl.rollout.weight_sync import sync_weights, tied_aliases
+
+    engine, bucket_mb = _CountingEngine(), 256
+    metrics = sync_weights(actor.model.module, engine, bucket_mb)
+    expected = list(actor.model.module.state_dict())
+    largest_mib = engine.largest / 2**20
+    out = {**metrics, "tensors": len(engine.names), "largest_mib": largest_mib,
+           "tied": tied_aliases(actor.model.module)}  # fmt: skip
+    outcome.summary["sync_s"] = round(metrics["sync/time_s"], 2)
+    outcome.expect(
+        sorted(engine.names) == sorted(expected), "the sync did not send every state_dict name once"
+    )
+    if ctx.cuda:
+        bound = bucket_mb + 2 * largest_mib + 256
+        outcome.summary["sync_peak_mib"] = round(metrics["sync/peak_extra_mb"], 1)
+        outcome.expect(metrics["sync/peak_extra_mb"] <= bound,
+                       f"weight sync peak {metrics['sync/peak_extra_mb']:.0f} MiB > {bound:.0f} "
+                       "(one bucket + twice the largest tensor + 256)")  # fmt: skip
+    return out
+
+
+def _lora_load(ctx: Context, config, processor, model_dir: Path, batch, outcome: Outcome) -> None:
+    """A LoRA actor of the same model: base in the compute dtype on GPU (half the memory of the
+    fp32 actor), adapters fp32; one update runs."""
+    from dataclasses import replace
+
+    from vlrl.workers.from_config import build_actor
+
+    lora = replace(config.worker.actor.model.lora, rank=16, alpha=32, target_modules="all-linear")
+    config.worker.actor.model.lora = lora
+    actor = build_actor(config, processor, ctx.device, model_path=str(model_dir))
+    loaded = memory(ctx.device)
+    dtypes = {"trained": sorted({str(p.dtype) for p in actor.model.module.parameters() if p.requires_grad}),
+              "frozen": sorted({str(p.dtype) for p in actor.model.module.parameters() if not p.requires_grad})}  # fmt: skip
+    metrics = actor.update_policy(batch)
+    outcome.details["lora"] = {"memory_load": loaded, "dtypes": dtypes, "memory_update": memory(ctx.device),
+                               "grad_norm": metrics["actor/grad_norm"]}  # fmt: skip
+    outcome.expect(
+        dtypes["trained"] == [str(torch.float32)], f"LoRA adapters in {dtypes['trained']}, not fp32"
+    )
+    outcome.expect(metrics["actor/grad_norm"] == metrics["actor/grad_norm"], "LoRA update: NaN grad norm")
+    if ctx.cuda:
+        full = outcome.details["memory"]["load"]["allocated_mib"]
+        outcome.summary["lora_load_mib"] = loaded["allocated_mib"]
+        outcome.expect(
+            dtypes["frozen"] == [str(torch.bfloat16)], f"LoRA base in {dtypes['frozen']}, not bf16"
+        )
+        outcome.expect(loaded["allocated_mib"] <= 0.6 * full,
+                       f"LoRA actor holds {loaded['allocated_mib']:.0f} MiB, more than 0.6x the fp32 actor's {full:.0f}")  # fmt: skip
+    del actor
+    _release(ctx.device)
 
 
 def config_of(model_dir: Path):
