@@ -362,7 +362,8 @@ class MultiTurnConfig(_Section):
     tool_timeout: float = 30.0
     """Seconds one tool call may take; a hung tool is killed and the model is told it timed out."""
     tool_workers: int = 4
-    """Tool worker processes per rank (tools run isolated, in parallel)."""
+    """Tool worker processes per engine (tools run isolated, in parallel); with tensor parallelism
+    they run on the engine's first rank only, which sends the results to the other ranks."""
     max_tool_images: int = 1
     """Most images one tool call may return (also sizes the engine's images per request)."""
     format: str = "hermes"
@@ -374,7 +375,8 @@ class MultiTurnConfig(_Section):
     """Run tool calls while the engine keeps decoding the other samples; a sample's next turn starts
     at the first step after its call returns. Hides slow tools, but which step that is depends on
     timing, so sampling is no longer reproducible on CPU engines (GPU engines seed each request).
-    Off: calls run between engine steps and the run is deterministic. Needs tensor_parallel_size=1."""
+    Off: calls run between engine steps and the run is deterministic. With tensor parallelism the
+    first rank's timing decides for every rank of the engine."""
 
 
 @dataclass

@@ -406,12 +406,6 @@ def _check_multi_turn(config: PPOConfig) -> list[str]:
             errors.append(f"{key}: tool/interaction file of {spec!r} does not exist")
     if config.worker.rollout.name != "vllm":
         errors.append(f"{key}.enable=true runs on the vLLM engine only: set worker.rollout.name=vllm")
-    if mt.overlap_tools and config.worker.rollout.tensor_parallel_size > 1:
-        errors.append(
-            f"{key}.overlap_tools=true with worker.rollout.tensor_parallel_size>1: tensor-parallel peers "
-            "must queue the same turns at the same step, and overlapped tools answer when they finish; "
-            "turn one of them off"
-        )
     return errors
 
 

@@ -23,6 +23,14 @@ def test_valid_multi_turn_config(base):
     assert config.worker.rollout.multi_turn.tools == [f"{TOOLS}:add"]
 
 
+def test_overlapped_tools_with_tensor_parallelism_are_allowed(base):
+    """The TP leader runs the tools and broadcasts which calls finished (multi_turn.shared_tools),
+    so the peers queue the same turns with overlap_tools too (tests/rollout/test_mt_tensor_parallel.py)."""
+    config = load_config([*base, "worker.rollout.multi_turn.enable=true", f"worker.rollout.multi_turn.tools=[{TOOLS}:add]",
+                          "worker.rollout.multi_turn.overlap_tools=true", "worker.rollout.tensor_parallel_size=2"])  # fmt: skip
+    assert config.worker.rollout.multi_turn.overlap_tools and config.worker.rollout.tensor_parallel_size == 2
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -36,8 +44,6 @@ def test_valid_multi_turn_config(base):
          r"format='json' is unknown"),
         ([f"worker.rollout.multi_turn.tools=[{TOOLS}:add]", "worker.rollout.name=hf"],
          r"runs on the vLLM engine only"),
-        ([f"worker.rollout.multi_turn.tools=[{TOOLS}:add]", "worker.rollout.multi_turn.overlap_tools=true",
-          "worker.rollout.tensor_parallel_size=2"], r"overlap_tools=true with worker.rollout.tensor_parallel_size>1"),
     ],
 )  # fmt: skip
 def test_bad_values_fail_at_start_up(base, overrides, message):

@@ -206,11 +206,15 @@ class VLLMRolloutEngine(RolloutEngine):
         mt = getattr(config, "multi_turn", None)
         if mt is not None and mt.enable:
             from vlrl.rollout.multi_turn.loop import MultiTurnRollout
+            from vlrl.rollout.multi_turn.shared_tools import build_tp_group
 
             # tool images join the request's images: room for one batch of them per assistant turn
             self.limit_images += mt.max_assistant_turns * mt.max_tool_images if self.is_vision else 0
+            # TP > 1: the peers' tools run on the group's first rank only (collective: every rank builds every group)
+            tp_group = build_tp_group(config.tensor_parallel_size)
             self.multi_turn = MultiTurnRollout(mt, data_config, tokenizer, processor, self.hf_config,
-                                               self.eos_token_ids, self.pad_token_id, self.max_model_len)  # fmt: skip
+                                               self.eos_token_ids, self.pad_token_id, self.max_model_len,
+                                               tp_group)  # fmt: skip
         # vLLM would normalise video pixels with the image processor's mean/std: refuse that when
         # the video processor's differ (vllm_hooks.device_normalization_ok).
         self.device_normalize = not self.limit_videos or vllm_hooks.device_normalization_ok(processor)

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from vlrl.protocol import PromptBatch, RolloutBatch
 from vlrl.rollout.multi_turn.parsing import CALL_END, ToolCall, parse_tool_call
 from vlrl.rollout.multi_turn.rendering import TurnEncoder, TurnRenderer
+from vlrl.rollout.multi_turn.shared_tools import SharedTools, TPGroup
 from vlrl.rollout.multi_turn.tool_config import tool_entries
 from vlrl.rollout.multi_turn.tool_pool import ToolPool
 from vlrl.rollout.multi_turn.tools import ToolOutput
@@ -73,7 +74,10 @@ class MultiTurnRollout:
         eos_token_ids: Sequence[int],
         pad_token_id: int,
         max_model_len: int,
+        tp_group: TPGroup | None = None,
     ) -> None:
+        """`tp_group`: this rank's tensor-parallel group (`shared_tools.build_tp_group`) when the
+        engine spans several ranks: its leader runs the tools and broadcasts their outputs."""
         self.config, self.tokenizer = mt_config, tokenizer
         self.max_response_length, self.max_model_len = data_config.max_response_length, max_model_len
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
@@ -85,10 +89,17 @@ class MultiTurnRollout:
             processor is not None,
             mt_config.max_tool_response_tokens,
         )
-        self.pool = ToolPool(
-            tool_entries(mt_config), mt_config.interaction, mt_config.tool_workers,
-            mt_config.tool_timeout, mt_config.max_tool_images,
-        )  # fmt: skip
+
+        def start_pool() -> ToolPool:  # on the TP leader only (or the one rank of a TP=1 engine)
+            return ToolPool(tool_entries(mt_config), mt_config.interaction, mt_config.tool_workers,
+                            mt_config.tool_timeout, mt_config.max_tool_images)  # fmt: skip
+
+        self.tools = SharedTools(start_pool, tp_group)
+
+    @property
+    def pool(self) -> ToolPool | None:
+        """The tool processes of this rank (None on a TP peer other than the leader)."""
+        return self.tools.pool
 
     _limit: int = 0  # the current call's response budget
 
@@ -97,7 +108,7 @@ class MultiTurnRollout:
         return [*self.eos_token_ids, self.call_end_id]
 
     def close(self) -> None:
-        self.pool.close()
+        self.tools.close()
 
     # ------------------------------------------------------------------ the loop
     def run(
@@ -130,7 +141,8 @@ class MultiTurnRollout:
         next step. Tools run between steps, so which requests share a step, hence the sampling,
         depends on the inputs and the tools' answers only, never on timing. With
         `overlap_tools`, calls run while the engine keeps stepping (`_overlap_calls`): faster with
-        slow tools, but the schedule then depends on when each tool finished."""
+        slow tools, but the schedule then depends on when each tool finished (under TP, on the
+        leader: `self.tools` hands its peers the leader's answers and finished calls)."""
         trajectories = self._start(prompts, n, max_tokens)
         turns = [0] * len(trajectories)
         engine.submit(self._next_turns(trajectories, range(len(trajectories)), turns))
@@ -164,14 +176,14 @@ class MultiTurnRollout:
         whose next turn can start now (sorted). Waits for a result only when nothing else can run."""
         key_of = {id(trajectories[k]): k for k in ended}
         parsed = [(key_of[id(t)], c) for t, c in calls if isinstance(c, ToolCall)]
-        tickets = self.pool.submit_calls(
+        tickets = self.tools.submit_calls(
             [(c.name, c.arguments, self._context(trajectories[k], c.name)) for k, c in parsed]
         )
         in_tools.update(zip(tickets, parsed))
         self._run_calls([(t, c) for t, c in calls if not isinstance(c, ToolCall)])
         waiting = {k for k, _ in in_tools.values()}
         ready = [k for k in ended if k not in waiting]
-        done = self.pool.poll(set(in_tools), block=not engine_busy and not ready)
+        done = self.tools.poll(set(in_tools), block=not engine_busy and not ready)
         for ticket in sorted(done):
             key, call = in_tools.pop(ticket)
             self._add_result(trajectories[key], call, done[ticket])
@@ -231,7 +243,7 @@ class MultiTurnRollout:
     def _run_calls(self, calls: list[tuple[Trajectory, Any]]) -> None:
         """Run the parsed calls in the pool (parse errors answer directly) and append the results."""
         parsed = [(t, c) for t, c in calls if isinstance(c, ToolCall)]
-        outputs = self.pool.call([(c.name, c.arguments, self._context(t, c.name)) for t, c in parsed])
+        outputs = self.tools.call([(c.name, c.arguments, self._context(t, c.name)) for t, c in parsed])
         results = dict(zip([id(t) for t, _ in parsed], outputs))
         for t, call in calls:
             self._add_result(t, call, results.get(id(t)) or ToolOutput(call.message, error=True))
@@ -260,7 +272,7 @@ class MultiTurnRollout:
         if not asking:
             return
         contexts = [{"ground_truth": t.ground_truth, **self._context(t, "interaction")} for t in asking]
-        replies = self.pool.interact([(t.messages, c) for t, c in zip(asking, contexts)])
+        replies = self.tools.interact([(t.messages, c) for t, c in zip(asking, contexts)])
         for t, reply in zip(asking, replies):
             if reply is None:
                 t.stop_reason = "eos"

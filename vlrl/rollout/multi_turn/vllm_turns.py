@@ -11,7 +11,8 @@ sample) only: sample k's turn t draws from `request_seeds(call seed + 7919 t)` b
 runner (CPU) sampling draws from torch's default generator, which the caller seeds once for the
 whole call; the draws then depend on which requests share each step, and that is fixed by the
 inputs and the tools' answers because the loop adds requests only between steps. TP peers make the
-same decisions from the same outputs, so they add the same requests in the same order.
+same decisions from the same outputs and the same tool answers (the TP leader's, `shared_tools`), so
+they add the same requests in the same order.
 """
 
 from __future__ import annotations
