@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from vlrl.rollout.vllm_settings import SUPPORTED_VLLM
+
 ROOT = Path(__file__).resolve().parents[1]
-SUPPORTED = "0.32"
+SUPPORTED = ".".join(map(str, SUPPORTED_VLLM))  # the line the engine accepts at start-up
 
 
 def test_gpu_extra_pins_the_supported_vllm_line():

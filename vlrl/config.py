@@ -400,7 +400,8 @@ class RolloutConfig(_Section):
     dtype: str = "bf16"
     """Engine weight dtype: bf16, fp16 or fp32."""
     gpu_memory_utilization: float = 0.6
-    """Fraction of device memory for the engine (on CPU: of host RAM; keep it small)."""
+    """Fraction of device memory for the engine (on CPU: of host RAM; keep it small). Rollout-only
+    ranks of asynchronous mode take at least 0.85 of their GPU (nothing else lives there)."""
     enforce_eager: bool = False
     """Disable CUDA graphs (always eager on CPU)."""
     enable_chunked_prefill: bool = False

@@ -58,18 +58,20 @@ def create_rollout_engine(
     processor: Any | None = None,
     limit_images: int | None = None,
     limit_videos: int = 0,
+    rollout_only: bool = False,
 ) -> RolloutEngine:
     """The engine `config.name` names (vllm | hf) for this rank.
 
     `limit_images`: the most images a prompt of the data has (used when `config.limit_images` is 0);
-    `limit_videos`: the most videos (the HF engine takes none).
+    `limit_videos`: the most videos (the HF engine takes none); `rollout_only`: the rank only
+    generates (asynchronous mode): a vLLM engine then never sleeps and takes more GPU memory.
     The vLLM engine needs an initialized torch.distributed world (one rank is fine).
     """
     if config.name == "vllm":
         from vlrl.rollout.vllm_engine import VLLMRolloutEngine
 
         return VLLMRolloutEngine(
-            config, data_config, model_path, tokenizer, processor, limit_images, limit_videos
+            config, data_config, model_path, tokenizer, processor, limit_images, limit_videos, rollout_only
         )
     if config.name == "hf":
         from vlrl.rollout.hf_engine import HFRolloutEngine

@@ -13,6 +13,7 @@ has received the actor's weights (`sync_weights` / `load_weights`).
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import random
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,7 +23,7 @@ import torch
 
 from vlrl.models.moe import check_engine_config as check_moe_config
 from vlrl.protocol import FinishedGroups, PromptBatch, RolloutBatch
-from vlrl.rollout import vllm_hooks
+from vlrl.rollout import vllm_hooks, vllm_settings
 from vlrl.rollout.base import (
     NoWeightsError,
     RolloutEngine,
@@ -39,6 +40,8 @@ from vlrl.rollout.output import assemble_rollout_batch
 from vlrl.rollout.vllm_inputs import ImageIds, vllm_request
 from vlrl.rollout.weight_sync import checkpoint_name, checkpoint_tensor
 from vlrl.utils.library_logs import progress_bars_wanted
+
+logger = logging.getLogger(__name__)
 
 VLLM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                "fp32": "float32", "float32": "float32"}  # fmt: skip
@@ -82,6 +85,39 @@ def tensor_parallel_errors(hf_config: Any, tp: int) -> list[str]:
     return errors
 
 
+ROLLOUT_ONLY_GPU_MEMORY_UTILIZATION = 0.85
+"""Least fraction of GPU memory a rollout-only engine (asynchronous mode) takes.
+
+Hybrid ranks keep `worker.rollout.gpu_memory_utilization` (default 0.6): the actor's and the
+reference's shards come back to the same GPU while the engine sleeps. A rollout-only rank has its own
+GPU (Ray, `num_gpus=1`) and holds nothing else there, so the KV cache can grow into what the hybrid
+cap leaves for training. Not the whole GPU: vLLM's budget is this fraction of the *total* memory and
+must be free when the engine starts (vLLM 0.32, vllm/v1/worker/utils.py, `request_memory`), and the
+process also needs, outside that budget, its CUDA context, the NCCL communicator of the weight
+broadcast, one received bucket of `sync_bucket_mb` (vlrl/rollout/weight_broadcast.py,
+`WeightBroadcast.receive`) and the layer the reload is building (`vllm_hooks.reload_on_worker`):
+about 2 GiB, and 15% is 12 GiB on an 80 GiB GPU, 3.6 GiB on a 24 GiB one."""
+
+
+def uses_sleep_mode(config: Any, *, on_gpu: bool, rollout_only: bool) -> bool:
+    """Whether the engine sleeps between generations (vLLM sleep mode, `LLM.sleep(level=1)`).
+
+    Only hybrid ranks on GPU: they free the GPU for the actor's update. vLLM refuses sleep mode on
+    CPU. A rollout-only rank holds no actor or optimizer, so sleeping would only move its weights to
+    host memory and drop its KV cache every step, and wake them again for the next generation."""
+    return bool(config.enable_sleep_mode) and on_gpu and not rollout_only
+
+
+def memory_fraction(config: Any, *, on_gpu: bool, rollout_only: bool) -> float:
+    """`gpu_memory_utilization` for the engine: the configured fraction, raised to
+    `ROLLOUT_ONLY_GPU_MEMORY_UTILIZATION` for a rollout-only rank on GPU. On CPU the fraction is of
+    host RAM, which a rollout rank shares with the training ranks: unchanged there."""
+    fraction = float(config.gpu_memory_utilization)
+    if on_gpu and rollout_only:
+        return max(fraction, ROLLOUT_ONLY_GPU_MEMORY_UTILIZATION)
+    return fraction
+
+
 def _dist_layout(tp: int) -> tuple[int, int]:
     """(rank, dp_rank) in the initialized world; sets the env vars `external_launcher` reads."""
     import torch.distributed as dist
@@ -118,6 +154,7 @@ def llm_kwargs(
     use_v2_runner: bool,
     kv_cache_bytes: int | None = None,
     device_normalize: bool = True,
+    rollout_only: bool = False,
 ) -> dict[str, Any]:
     """The `vllm.LLM(...)` arguments for one rank (pure: tested without building an engine).
 
@@ -126,6 +163,10 @@ def llm_kwargs(
     kv_cache_bytes: CPU only, the explicit KV-cache size (`vllm_hooks.cpu_kv_cache_bytes`).
     device_normalize: False turns off vLLM's on-device pixel normalisation, which would normalise
     videos with the image processor's mean/std (`vllm_hooks.device_normalization_ok`).
+    rollout_only: an engine on a rank that only generates (asynchronous mode): no sleep mode and a
+    larger memory fraction on GPU (`uses_sleep_mode`, `memory_fraction`).
+    Under Ray with TP >= 2 the all-reduce is NCCL only (`vllm_settings.all_reduce_settings`; its
+    environment variables are set by the engine, `vllm_settings.apply_engine_env`).
     """
     c = config
     kwargs: dict[str, Any] = dict(
@@ -141,7 +182,7 @@ def llm_kwargs(
         max_num_seqs=c.max_num_seqs,
         enable_chunked_prefill=c.enable_chunked_prefill,
         enforce_eager=c.enforce_eager or not on_gpu,  # CPU: no graphs, skip compilation
-        gpu_memory_utilization=c.gpu_memory_utilization,
+        gpu_memory_utilization=memory_fraction(c, on_gpu=on_gpu, rollout_only=rollout_only),
         logits_processors=[vllm_hooks.ban_tokens_processor(banned_token_ids, use_v2_runner)],
         # log-probs after temperature and the token ban: what the actor recomputes
         logprobs_mode="processed_logprobs",
@@ -151,12 +192,12 @@ def llm_kwargs(
         kwargs["limit_mm_per_prompt"] = {"image": limit_images, "video": limit_videos}
         if not device_normalize:
             kwargs["mm_device_do_normalize"] = False
-    if c.enable_sleep_mode and on_gpu:  # vLLM refuses sleep mode on CPU
+    if uses_sleep_mode(c, on_gpu=on_gpu, rollout_only=rollout_only):
         kwargs["enable_sleep_mode"] = True
-    if on_gpu and not vllm_hooks.custom_all_reduce_usable(c.tensor_parallel_size, visible_gpus):
-        # Each rank sees only its own GPU (Ray): vLLM's custom all-reduce would index
-        # CUDA_VISIBLE_DEVICES by peer rank and fail; NCCL all-reduces instead.
-        kwargs["disable_custom_all_reduce"] = True
+    # Each rank sees only its own GPU (Ray): vLLM's custom all-reduce would index
+    # CUDA_VISIBLE_DEVICES by peer rank and fail, and the other non-NCCL paths could set up on one
+    # peer and not the other; NCCL does every all-reduce then.
+    kwargs.update(vllm_settings.all_reduce_settings(c.tensor_parallel_size, visible_gpus, on_gpu).llm_kwargs)
     if not on_gpu:
         kwargs["block_size"] = vllm_hooks.CPU_BLOCK_SIZE
     if kv_cache_bytes is not None:
@@ -176,10 +217,15 @@ class VLLMRolloutEngine(RolloutEngine):
         processor: Any | None = None,
         limit_images: int | None = None,
         limit_videos: int = 0,
+        rollout_only: bool = False,
     ) -> None:
+        """`rollout_only`: this rank only generates (asynchronous mode, `worker.rollout.async_ranks`):
+        the engine never sleeps and takes more GPU memory (`uses_sleep_mode`, `memory_fraction`)."""
         from transformers import AutoConfig
 
+        vllm_settings.check_vllm_version()  # before anything else, so the version is the one message
         self.config, self.data_config = config, data_config
+        self.rollout_only = rollout_only
         self.rank, self.dp_rank = _dist_layout(config.tensor_parallel_size)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.family = model_family(self.hf_config)
@@ -195,7 +241,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.banned_token_ids = banned_token_ids(tokenizer, self.hf_config)
         self.bucket_mb = config.sync_bucket_mb
         self.on_gpu = torch.cuda.is_available()
-        self.sleep_enabled = bool(config.enable_sleep_mode) and self.on_gpu  # refused on CPU by vLLM
+        self.sleep_enabled = uses_sleep_mode(config, on_gpu=self.on_gpu, rollout_only=rollout_only)
         self.use_v2 = vllm_hooks.uses_v2_runner()
         # vLLM's per-call progress bar: rank 0, asked for, and someone watching (library_logs)
         self.show_progress = self.rank == 0 and not config.disable_tqdm and progress_bars_wanted()
@@ -261,6 +307,7 @@ class VLLMRolloutEngine(RolloutEngine):
             kv_cache_bytes = vllm_hooks.cpu_kv_cache_bytes(
                 self.hf_config, self.weight_dtype, self.max_model_len, c.max_num_seqs, cap
             )
+        visible_gpus = torch.cuda.device_count() if self.on_gpu else 0
         kwargs = llm_kwargs(
             c,
             model_path=model_path,
@@ -271,11 +318,13 @@ class VLLMRolloutEngine(RolloutEngine):
             limit_videos=self.limit_videos,
             banned_token_ids=self.banned_token_ids,
             on_gpu=self.on_gpu,
-            visible_gpus=torch.cuda.device_count() if self.on_gpu else 0,
+            visible_gpus=visible_gpus,
             use_v2_runner=self.use_v2,
             kv_cache_bytes=kv_cache_bytes,
             device_normalize=self.device_normalize,
+            rollout_only=self.rollout_only,
         )
+        self._set_all_reduce_env(visible_gpus)
         # Pin the runner the processor class was built for (vLLM reads this in `LLM()`).
         os.environ[vllm_hooks.V2_RUNNER_ENV] = "1" if self.use_v2 else "0"
         self._shm_ident: str | None = None
@@ -296,6 +345,15 @@ class VLLMRolloutEngine(RolloutEngine):
                 "the one vlrl supports (0.32); see vlrl/rollout/vllm_hooks.py::uses_v2_runner"
             )
         return llm
+
+    def _set_all_reduce_env(self, visible_gpus: int) -> None:
+        """Set the all-reduce environment that goes with `llm_kwargs` (every TP peer computes the
+        same) and say once per run (world rank 0) which all-reduce paths are on."""
+        tp = self.config.tensor_parallel_size
+        settings = vllm_settings.all_reduce_settings(tp, visible_gpus, self.on_gpu)
+        vllm_settings.apply_engine_env(settings.env)
+        if self.rank == 0 and self.on_gpu and tp > 1:
+            logger.info(settings.describe())
 
     @property
     def weight_dtype(self) -> torch.dtype:

@@ -213,20 +213,6 @@ def request_seeds(call_seed: int, num_prompts: int, n: int) -> list[int]:
     return [base + i * n for i in range(num_prompts)]
 
 
-def custom_all_reduce_usable(tensor_parallel_size: int, visible_gpus: int) -> bool:
-    """Whether vLLM's custom all-reduce can start: only when this process sees its TP peers' GPUs.
-
-    vLLM 0.32 `CustomAllreduce.__init__` (vllm/distributed/device_communicators/custom_all_reduce.py)
-    runs `_can_p2p(rank, world_size)`, which maps every *peer's* TP rank to a device through
-    `current_platform.logical_device_id_to_visible_device_id(i)` ->
-    `device_id_to_physical_device_id(i)` (vllm/platforms/interface.py): `CUDA_VISIBLE_DEVICES.split(",")[i]`.
-    Ray gives each rank one GPU (`CUDA_VISIBLE_DEVICES` has one entry), so peer 1 raises IndexError at
-    start-up (with `VLLM_SKIP_P2P_CHECK=0` the P2P cache lacks the pair instead). The kernel also
-    needs CUDA IPC between the peers' devices. NCCL (`PyNcclCommunicator`) does the all-reduce then.
-    """
-    return tensor_parallel_size <= 1 or visible_gpus >= tensor_parallel_size
-
-
 def _pixel_affine(processor: Any) -> list[tuple[float, float]]:
     """Per channel (scale, shift) that `processor` applies to raw 0..255 pixels:
     `x * rescale_factor` (if do_rescale), then `(x - mean) / std` (if do_normalize)."""

@@ -90,7 +90,7 @@ class RankWorker:
         if self.role != "train":
             self.rollout = create_rollout_engine(
                 self.config.worker.rollout, self.config.data, model.model_path, tokenizer, processor,
-                limit_images=limit_images, limit_videos=limit_videos,
+                limit_images=limit_images, limit_videos=limit_videos, rollout_only=self.role == "rollout",
             )  # fmt: skip
         if self.role == "rollout":
             return {}  # the weights come by broadcast before the first generation
@@ -124,21 +124,25 @@ class RankWorker:
         """`generate`, reporting groups as they finish, then the batch (as a Ray streaming
         generator the driver scores those groups while the rest are still generating).
 
-        The actor's shards leave the GPU first (`worker.actor.offload`) and the allocator's cached
-        blocks are released, so the engine can wake into that memory; they come back afterwards."""
+        On a hybrid rank the actor's shards leave the GPU first (`worker.actor.offload`) and the
+        allocator's cached blocks are released, so the engine can wake into that memory; the engine
+        sleeps again and they come back afterwards. A rollout-only rank (asynchronous mode) holds
+        nothing to make room for: its engine stays awake between steps."""
         self._fetch_media(prompts)
         hybrid = self.role == "hybrid"
         if hybrid:
             self.actor.offload_to_cpu()
             _release_cached_memory(self.device)
         try:
-            self.rollout.wake_up()
+            if hybrid:
+                self.rollout.wake_up()
             for item in self.rollout.generate_stream(prompts, overrides):
                 if isinstance(item, FinishedGroups):
                     yield item
                 else:
                     batch = item
-            self.rollout.sleep()
+            if hybrid:
+                self.rollout.sleep()
         finally:
             if hybrid:
                 self.actor.load_to_device()
