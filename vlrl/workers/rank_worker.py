@@ -241,12 +241,12 @@ class RankWorker:
         from vlrl.rollout.weight_sync import full_named_tensors
 
         start = time.perf_counter()
-        named = full_named_tensors(self.actor.model.module)
+        dtype = getattr(torch, VLLM_DTYPES[self.config.worker.rollout.dtype])
+        named = full_named_tensors(self.actor.model.module, dtype)  # cast before the all-gathers
         if self.broadcast is None:  # not a member: join the gathers only
             for _ in named:
                 pass
             return {}
-        dtype = getattr(torch, VLLM_DTYPES[self.config.worker.rollout.dtype])
         metrics = self.broadcast.send(named, self.config.worker.rollout.sync_bucket_mb, dtype)
         return {**metrics, "sync/time_s": time.perf_counter() - start}
 
