@@ -6,14 +6,21 @@ Each field's docstring is the string literal under it (shown by `--help`).
 Loading order (see `vlrl.config_loader.load_config`): dataclass defaults, then `config=FILE.yaml`,
 then dotted overrides `a.b.c=value`. Then `PPOConfig.finalize()` computes the derived values (in
 `derive()`, the one place for them), runs every cross-field check (`validate()`) and freezes the tree.
+
+Local paths: `derive()` makes relative local paths absolute against the folder the run was launched
+from (`vlrl.path_checks.make_paths_absolute`, which lists the keys and states the rule): inputs that
+exist there, and every output path; hub ids, Jinja strings and missing paths stay as written.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -47,7 +54,8 @@ class _Section:
 @dataclass
 class DataConfig(_Section):
     train_files: str = ""
-    """Training data: a .json/.jsonl/.parquet/.csv file, a folder of them, or `hub_name@split`."""
+    """Training data: a .json/.jsonl/.parquet/.csv file, a folder of them, or `hub_name@split`. Relative
+    paths: from the launch folder (made absolute at start-up, see `vlrl.path_checks`)."""
     val_files: str = ""
     """Validation data, same forms as `train_files`; empty disables validation."""
     prompt_key: str = "prompt"
@@ -78,7 +86,8 @@ class DataConfig(_Section):
     val_batch_size: int = -1
     """Prompts per validation generation call; -1: the whole validation set at once."""
     format_prompt: str | None = None
-    """Jinja template (file path) applied to the prompt text; the text is the variable `content`."""
+    """Jinja template (file path) applied to the prompt text; the text is the variable `content`.
+    Relative: from the launch folder."""
     override_chat_template: str | None = None
     """Chat template (Jinja string or file path) used instead of the tokenizer's."""
     shuffle: bool = True
@@ -160,7 +169,9 @@ class LoraConfig(_Section):
 @dataclass
 class ModelConfig(_Section):
     model_path: str = ""
-    """Hugging Face model folder (or hub name) of the policy."""
+    """Hugging Face model folder (or hub name) of the policy. A relative folder that exists in the
+    launch folder is made absolute at start-up (Ray ranks run elsewhere); a hub id such as
+    `Qwen/Qwen2.5-VL-7B-Instruct` stays as given (the rule: `vlrl.path_checks`)."""
     tokenizer_path: str | None = None
     """Tokenizer/processor folder; default: `model_path`."""
     override_config: dict[str, Any] = field(default_factory=dict)
@@ -350,7 +361,8 @@ class MultiTurnConfig(_Section):
     max_user_turns: int = 2
     """Most interaction (user) replies per trajectory."""
     tools: list[str] = field(default_factory=list)
-    """Tool functions, `path/to/file.py:function` each; the schema comes from the signature and docstring."""
+    """Tool functions, `path/to/file.py:function` each; the schema comes from the signature and docstring.
+    Relative: from the launch folder (made absolute at start-up: the ranks run the tools)."""
     tool_config_path: str | None = None
     """YAML file of tools with OpenAI-style schemas (`tools: [{callable: file.py:fn, tool_schema:
     {type: function, function: {...}}}]`, paths relative to the YAML); adds to `tools`. Each schema
@@ -452,7 +464,7 @@ class RewardConfig(_Section):
     """batch (a list of inputs per call) or sequential (one input per call); None: the file's
     `REWARD_TYPE` attribute if it declares one, else batch."""
     reward_function: str | None = None
-    """`path/to/file.py:function` (no `:function` means `main`)."""
+    """`path/to/file.py:function` (no `:function` means `main`). Relative: from the launch folder."""
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the reward function."""
     skip_special_tokens: bool = True
@@ -511,7 +523,9 @@ class TrainerConfig(_Section):
     """Ranks per node: GPUs per node, or CPU ranks on a machine without GPUs."""
     device: str = "auto"
     """auto, cuda or cpu. auto: cuda when the Ray cluster named by RAY_ADDRESS has GPUs (without
-    RAY_ADDRESS: when this machine has one), else cpu."""
+    RAY_ADDRESS: when torch can use one on this machine), else cpu. NVIDIA GPUs that torch cannot use
+    (`nvidia-smi` lists them, but the driver is too old for torch's CUDA build: CUDA 13.0 needs driver
+    >= 580) stop the run at start-up with the driver version; cpu trains on the CPU anyway."""
     max_failures: int = 0
     """Restart the rank workers and resume from this run's latest checkpoint when a rank worker dies
     or hangs (`hang_timeout`), up to this many times in a run, each logged (as Ray Train's
@@ -543,7 +557,9 @@ class TrainerConfig(_Section):
     save_model_only: bool = False
     """Save only the model weights (no optimizer/dataloader state: cannot resume exactly)."""
     save_checkpoint_path: str | None = None
-    """Checkpoint folder; default: checkpoints/{project_name}/{experiment_name}."""
+    """Checkpoint folder; default: checkpoints/{project_name}/{experiment_name}. Relative: from the
+    launch folder, made absolute at start-up (`~` expanded), because every rank writes here and a Ray
+    rank runs in its raylet's folder; on several nodes it must be storage all of them see."""
     load_checkpoint_path: str | None = None
     """Resume from this checkpoint (a `global_step_N` folder)."""
     find_last_checkpoint: bool = True
@@ -561,13 +577,17 @@ def resolve_device(
     ray_address: str | None,
     cluster_gpus: Callable[[str], float] | None = None,
     local_cuda: Callable[[], bool] | None = None,
+    unusable_gpus: Callable[[], str | None] | None = None,
 ) -> str:
     """What `trainer.device=auto` means: the ranks' device, not the driver's.
 
     Joining a cluster (`ray_address`): cuda when the cluster has GPUs. The driver may run on a
-    head node without one, so its own torch.cuda says nothing about where the ranks run.
-    Otherwise Ray starts on this machine: cuda when this machine has a GPU.
-    `cluster_gpus(address) -> float` and `local_cuda() -> bool` are injectable for tests."""
+    head node without one, so its own torch.cuda says nothing about where the ranks run (a rank
+    whose torch cannot use its GPU stops with the reason: `vlrl.utils.gpu_driver`).
+    Otherwise Ray starts on this machine: cuda when torch can use a GPU here; cpu when the machine
+    has none. NVIDIA GPUs that torch cannot use (a driver too old for torch's CUDA build) are a
+    `ConfigError` saying so, not a silent CPU run. `cluster_gpus(address) -> float`,
+    `local_cuda() -> bool` and `unusable_gpus() -> message | None` are injectable for tests."""
     if ray_address:
         gpus = (cluster_gpus or _cluster_gpus)(ray_address)
         return "cuda" if gpus > 0 else "cpu"
@@ -575,7 +595,19 @@ def resolve_device(
         import torch
 
         local_cuda = torch.cuda.is_available
-    return "cuda" if local_cuda() else "cpu"
+    if local_cuda():
+        return "cuda"
+    problem = (unusable_gpus or _unusable_local_gpus)()
+    if problem:
+        raise ConfigError(f"trainer.device=auto: {problem}")
+    return "cpu"
+
+
+def _unusable_local_gpus() -> str | None:
+    """Why this machine's NVIDIA GPUs cannot be used by torch, or None (`vlrl.utils.gpu_driver`)."""
+    from vlrl.utils.gpu_driver import unusable_gpus_problem
+
+    return unusable_gpus_problem()
 
 
 def _cluster_gpus(address: str) -> float:
@@ -674,24 +706,18 @@ class PPOConfig(_Section):
             )
         if self.trainer.device == "auto":
             self.trainer.device = resolve_device(os.environ.get("RAY_ADDRESS"))
-        self._absolute_rank_paths()
+        self._absolute_local_paths()
 
-    def _absolute_rank_paths(self) -> None:
-        """Local paths the rank workers open (model, checkpoints, tools, and the format prompt and
-        image folder of multi-turn tool turns), made absolute against the driver's working folder:
-        a Ray worker runs in the folder its raylet started in (`ray start` elsewhere, any other
-        node), where a relative path names nothing or something else. Hub ids and paths that do
-        not exist stay as given (the checks name them)."""
-        model, trainer, mt = self.worker.actor.model, self.trainer, self.worker.rollout.multi_turn
-        self.data.format_prompt = _absolute_if_local(self.data.format_prompt)  # tool turns render it
-        self.data.image_dir = _absolute_if_local(self.data.image_dir)
-        model.model_path = _absolute_if_local(model.model_path) or model.model_path
-        model.tokenizer_path = _absolute_if_local(model.tokenizer_path)
-        trainer.save_checkpoint_path = os.path.abspath(trainer.save_checkpoint_path or "")
-        trainer.load_checkpoint_path = _absolute_if_local(trainer.load_checkpoint_path)
-        mt.tools = [_absolute_spec(spec) for spec in mt.tools]
-        mt.tool_config_path = _absolute_if_local(mt.tool_config_path)
-        mt.interaction = _absolute_spec(mt.interaction) if mt.interaction else mt.interaction
+    def _absolute_local_paths(self) -> None:
+        """Relative local paths made absolute against the launch folder (the rule:
+        `vlrl.path_checks`): a Ray rank worker runs in its raylet's folder, so `ray start` run
+        elsewhere (or another node) would read a relative path from there. Each change is logged."""
+        from vlrl.path_checks import make_paths_absolute
+
+        changed = make_paths_absolute(self)
+        if changed:
+            lines = "".join(f"\n  {key}: {before} -> {after}" for key, before, after in changed)
+            logger.info("local paths made absolute against the launch folder %s:%s", os.getcwd(), lines)
 
     def validate(self) -> None:
         """Every cross-field rule, each failure naming the keys and what to change."""
@@ -707,16 +733,3 @@ class PPOConfig(_Section):
         self.validate()
         self.freeze()
         return self
-
-
-def _absolute_if_local(path: str | None) -> str | None:
-    """`path` made absolute when it names an existing local file or folder (else as given)."""
-    return os.path.abspath(path) if path and os.path.exists(path) else path
-
-
-def _absolute_spec(spec: str) -> str:
-    """`file.py:function` with the file made absolute when it exists."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not os.path.exists(path):
-        return _absolute_if_local(spec) or spec
-    return f"{os.path.abspath(path)}:{name}"

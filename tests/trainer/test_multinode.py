@@ -119,5 +119,5 @@ def test_process_group_gets_the_configured_timeout(monkeypatch):
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     timeout = datetime.timedelta(minutes=PPOConfig().trainer.dist_timeout_minutes)
-    rank_worker._init_process_group("cpu", 0, 2, "127.0.0.1", 29500, timeout=timeout, ranks_per_node=2)
+    rank_worker._init_process_group("cpu", 0, 2, "127.0.0.1", 29500, timeout=timeout)
     assert calls == [(("gloo",), {"rank": 0, "world_size": 2, "timeout": datetime.timedelta(hours=1)})]

@@ -46,6 +46,14 @@ def render() -> str:
         "Derived values (computed in `PPOConfig.derive`): `worker.rollout.max_model_len` defaults to",
         "prompt + response length, `worker.actor.model.tokenizer_path` to the model path,",
         "`trainer.save_checkpoint_path` to `checkpoints/{project_name}/{experiment_name}`.",
+        "",
+        "Local paths are read from the folder the run is launched in, and made absolute at start-up",
+        "(and logged), because Ray's rank workers run in the folder their `ray start` ran in. Inputs",
+        "(model, tokenizer, data files, reward/tool/interaction files, format prompt, chat template file,",
+        "image folder, checkpoint to load) when they exist there; outputs (`trainer.save_checkpoint_path`,",
+        "`trainer.ray_timeline`, `trainer.plot_path`, `data.image_check_cache_dir`) always, `~` expanded.",
+        "Hub ids (`Qwen/Qwen2.5-VL-7B-Instruct`, `org/data@split`), Jinja strings and missing paths stay",
+        "as written (`vlrl/path_checks.py`).",
     ]
     _section(PPOConfig, "", out)
     return "\n".join(out) + "\n"

@@ -23,6 +23,7 @@ from vlrl.config import PPOConfig
 from vlrl.trainer.deadlines import CallDeadlines, Stopwatch
 from vlrl.trainer.ranks import RankRoles, check_one_per_rank
 from vlrl.utils.library_logs import worker_log_env
+from vlrl.utils.rank_threads import RANK_NUM_CPUS, user_thread_env
 
 # Engines run inside the rank's process (SPMD); tests and CPU runs want quiet, offline workers.
 WORKER_ENV = {
@@ -51,7 +52,8 @@ def start_ray(config: PPOConfig) -> None:
     """Join the cluster named by RAY_ADDRESS, or start a local one sized for the ranks."""
     if ray.is_initialized():
         return
-    env = {"env_vars": {k: v for k, v in WORKER_ENV.items()}}
+    # the user's OMP_NUM_THREADS, if any, reaches every rank before Ray sets its own (utils/rank_threads.py)
+    env = {"env_vars": {**WORKER_ENV, **user_thread_env(os.environ)}}
     main_thread = threading.current_thread() is threading.main_thread()
     sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
     if os.environ.get("RAY_ADDRESS"):
@@ -127,9 +129,13 @@ class RankGroup:
 
     def identify(self, first_rank: int = 0) -> None:
         """Learn each rank's pid and host, for the messages about a rank that stopped answering."""
-        for r, (pid, host) in enumerate(self.call_all("process")):
+        threads = set()
+        for r, (pid, host, *rest) in enumerate(self.call_all("process")):
             self.names[r] = f"rank {first_rank + r} (pid {pid} on {host})"
+            threads.update(rest)
         logger.info("started %s", ", ".join(self.names))
+        if threads:
+            logger.info("rank workers: %s", "; ".join(sorted(threads)))
 
     def submit(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Pending:
         """Start `worker[r].method(per_rank[0][r], ..., **kwargs)` on every rank; `.result()` waits."""
@@ -278,7 +284,7 @@ def start_rank_groups(config: PPOConfig) -> RankRoles:
     def start(rank: int, *args: Any) -> Any:
         gpu = config.trainer.device == "cuda"
         return remote_cls.options(
-            scheduling_strategy=strategy[rank], num_cpus=1, num_gpus=1 if gpu else 0
+            scheduling_strategy=strategy[rank], num_cpus=RANK_NUM_CPUS, num_gpus=1 if gpu else 0
         ).remote(config, *args, run_id=run_id)
 
     def address(rank: int) -> tuple[str, int]:

@@ -21,7 +21,9 @@ from vlrl.experience import ExperienceStore
 from vlrl.image_refs import ImageRefs
 from vlrl.protocol import ROW_FIELDS, FinishedGroups, KeptRows, PromptBatch, RolloutBatch
 from vlrl.rollout.weight_broadcast import WeightBroadcast
+from vlrl.utils.gpu_driver import check_torch_sees_cuda
 from vlrl.utils.library_logs import quiet_library_logs
+from vlrl.utils.rank_threads import set_rank_threads
 
 if TYPE_CHECKING:
     from vlrl.rollout.base import RolloutEngine
@@ -54,10 +56,11 @@ class RankWorker:
             os.environ[RUN_ID_ENV] = run_id
         self.config = config
         self.rank, self.world_size, self.role = rank, world_size, role
+        # Ray leaves a rank one thread (vlrl.utils.rank_threads); share the node's CPUs instead.
+        self.cpu_threads = set_rank_threads(config.trainer.n_gpus_per_node, under_ray=_under_ray())
         _init_process_group(
             config.trainer.device, rank, world_size, master_addr, master_port,
             timeout=datetime.timedelta(minutes=config.trainer.dist_timeout_minutes),
-            ranks_per_node=config.trainer.n_gpus_per_node,
         )  # fmt: skip
         self.device = torch.device(
             f"cuda:{torch.cuda.current_device()}" if config.trainer.device == "cuda" else "cpu"
@@ -272,9 +275,9 @@ class RankWorker:
         self.actor.load_checkpoint(path)
         return self.sync_weights() if self.role == "hybrid" else {}
 
-    def process(self) -> tuple[int, str]:
-        """(pid, host) of this rank's process, for messages about it."""
-        return os.getpid(), socket.gethostname()
+    def process(self) -> tuple[int, str, str]:
+        """(pid, host, CPU threads) of this rank's process, for messages about it and the start-up log."""
+        return os.getpid(), socket.gethostname(), self.cpu_threads
 
     def digest_checkpoint_files(self, folder: str) -> dict[str, dict[str, Any]]:
         """This rank's share of a checkpoint's checksums (file i of the sorted list when i % world == rank)."""
@@ -345,7 +348,6 @@ def _init_process_group(
     master_addr: str,
     master_port: int,
     timeout: datetime.timedelta,
-    ranks_per_node: int,
 ) -> None:
     """torch.distributed first (vLLM's external_launcher joins this world), from env vars.
 
@@ -357,12 +359,9 @@ def _init_process_group(
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
     )  # fmt: skip
     if device == "cuda":
+        check_torch_sees_cuda()  # a clear message instead of torch's "no CUDA GPUs are available"
         # Ray gives each rank one GPU via CUDA_VISIBLE_DEVICES, so the local device is always 0.
         torch.cuda.set_device(0)
-        backend = process_group_backend(device)
-    else:
-        # Share the machine's cores between the ranks instead of oversubscribing them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
-        backend = process_group_backend(device)
+    backend = process_group_backend(device)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
