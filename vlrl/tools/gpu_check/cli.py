@@ -42,20 +42,24 @@ _PKG = "vlrl.tools.gpu_check"
 CHECKS = {
     spec.name: spec
     for spec in (
-        CheckSpec("attention", f"{_PKG}.attention_check:check_attention", 60,
+        CheckSpec("attention", f"{_PKG}.attention_check:check_attention", 40,
                   "packed attention backends vs per-sequence SDPA, bf16 GQA, forward + grads, lengths 1..2048"),
-        CheckSpec("rank_worker", f"{_PKG}.worker_check:check_rank_worker", 100,
+        CheckSpec("rank_worker", f"{_PKG}.worker_check:check_rank_worker", 80,
                   "one RankWorker (HF rollout, KL loss, offloads): setup..resume..model-only save, memory per phase"),
-        CheckSpec("packed_vs_padded", f"{_PKG}.logprob_check:check_packed_vs_padded", 60,
+        CheckSpec("packed_vs_padded", f"{_PKG}.logprob_check:check_packed_vs_padded", 40,
                   "packed vs padded log-probs and gradients in bf16; fp32 device vs CPU"),
         CheckSpec("moe_packed", f"{_PKG}.logprob_check:check_moe_packed_vs_padded", 30,
                   "packed_vs_padded on the tiny Qwen3-VL-MoE (grouped_mm experts, top-k routing in bf16)"),
-        CheckSpec("qwen3b_update", f"{_PKG}.qwen3b_check:check_qwen3b_update", 200,
+        CheckSpec("qwen3b_update", f"{_PKG}.qwen3b_check:check_qwen3b_update", 170,
                   "Qwen2.5-VL-3B-shaped actor: log-probs, reference, update, LoRA load, weight-sync walk; memory"),
         CheckSpec("optimizer", f"{_PKG}.optim_check:check_optimizer", 60,
                   "AdamW vs AdamWBf16 step time and the grad clip on 3B parameter shapes (DTensors)"),
         CheckSpec("lora", f"{_PKG}.lora_check:check_lora", 30,
                   "LoRA actor (bf16 base, fp32 adapters): merged weights vs peft's merge_and_unload"),
+        CheckSpec("two_ranks", f"{_PKG}.two_rank_check:check_two_ranks", 60,
+                  "2 GPUs (NCCL): FSDP grads over 2 ranks, Ulysses sp=2 vs sp=1, enable_cpu_offload"),
+        CheckSpec("vllm_engine", f"{_PKG}.vllm_check:check_vllm_engine", 60,
+                  "where vLLM is installed: runner, generate_stream, sleep/sync/wake memory, TP=2 on 2 GPUs"),
     )
 }  # fmt: skip
 
@@ -111,9 +115,20 @@ def run_suite(
         else:
             results.append(run_check(spec.name, check, ctx, spec.limit_s * limit_scale))
         log(f"[gpu_check] {spec.name}: {results[-1].status} in {results[-1].seconds:.1f} s")
+        _release_memory()  # the next check (vLLM, spawned ranks) needs the GPU memory this one cached
         if on_result is not None:
             on_result(results)
     return results
+
+
+def _release_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _raiser(err: Exception) -> Callable[[Any, Any], None]:

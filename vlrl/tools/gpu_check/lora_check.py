@@ -4,6 +4,8 @@ weight sync's stream, against peft on the gathered wrapped state)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vlrl.tools.gpu_check.context import Context, single_rank_world
@@ -57,6 +59,6 @@ def _peft_merge(path: str, lora_cfg, wrapped: dict[str, torch.Tensor]) -> dict[s
     from vlrl.models.loading import load_model
     from vlrl.models.lora import apply_lora
 
-    model = apply_lora(load_model(path, dtype=torch.float32), lora_cfg)
+    model: Any = apply_lora(load_model(path, dtype=torch.float32), lora_cfg)  # a peft.PeftModel
     model.load_state_dict(wrapped, strict=True, assign=True)
     return {name: t.detach() for name, t in model.merge_and_unload().state_dict().items()}
