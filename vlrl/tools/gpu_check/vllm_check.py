@@ -40,6 +40,15 @@ def _engine(model_dir: str, device: torch.device, tp: int = 1):
     return engine, config
 
 
+def _close(engine) -> None:
+    """Close the engine and vLLM's view of the torch world: the world itself is destroyed next
+    (`single_rank_world`), and a later engine in this process must not find vLLM's stale groups."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment
+
+    engine.close()
+    destroy_distributed_environment()
+
+
 def _free_mib(device: torch.device) -> float | None:
     return torch.cuda.mem_get_info(device)[0] / 2**20 if device.type == "cuda" else None
 
@@ -82,7 +91,7 @@ def check_vllm_engine(ctx: Context, outcome: Outcome) -> None:
                     freed >= 0.5 * budget, f"sleep freed {freed:.0f} MiB of a {budget:.0f} MiB engine budget"
                 )
         finally:
-            engine.close()
+            _close(engine)
     if ctx.cuda and torch.cuda.device_count() >= 2:
         _tensor_parallel(ctx, outcome, model_dir, base)
     elif ctx.cuda:
@@ -104,7 +113,7 @@ def _tensor_parallel(ctx: Context, outcome: Outcome, model_dir: str, base: torch
             sync_weights(base, engine, bucket_mb=1)
             expected = engine.generate(sync_prompts, GREEDY).responses
         finally:
-            engine.close()
+            _close(engine)
     mp.start_processes(_tp_rank, args=(free_port(), model_dir, str(out), ctx.seed), nprocs=2,
                        start_method="spawn")  # fmt: skip
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
