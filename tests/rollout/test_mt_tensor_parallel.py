@@ -15,21 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from mt_helpers import CUES, taught_model
+from mt_helpers import CUES
 from mt_tp_job import run_engine, run_shared_tools
 from rollout_helpers import free_port
-
-from vlrl.models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def taught(tmp_path_factory):
-    path = str(build_tiny_model(tmp_path_factory.mktemp("mt_tp_model"), "qwen2_5_vl", tool_tokens=True))
-    stats = taught_model(path, steps=120)
-    assert stats["loss_last"] < 0.05, stats
-    return path
+def taught(taught_tool_model):
+    return taught_tool_model
 
 
 def _load_ranks(out_dir: Path, n: int) -> list[dict]:

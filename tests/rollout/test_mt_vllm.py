@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.multiprocessing as mp
-from mt_helpers import CUES, FOLLOW_UP, FOLLOW_UP_ROW, mt_rollout_config, taught_model
+from mt_helpers import CUES, FOLLOW_UP, FOLLOW_UP_ROW, mt_rollout_config
 from mt_spmd_job import SHARDS
 from mt_spmd_job import run as run_rank
 from rollout_helpers import (
@@ -25,7 +25,6 @@ from rollout_helpers import (
 )
 
 from vlrl.models.processor import load_processor
-from vlrl.models.tiny import build_tiny_model
 from vlrl.rollout import create_rollout_engine, sync_weights
 
 pytestmark = pytest.mark.slow
@@ -33,10 +32,8 @@ GREEDY = {"temperature": 0.0, "n": 1, "seed": 3}
 
 
 @pytest.fixture(scope="module")
-def mt(tmp_path_factory):
-    path = str(build_tiny_model(tmp_path_factory.mktemp("mt_model"), "qwen2_5_vl", tool_tokens=True))
-    stats = taught_model(path, steps=120)
-    assert stats["loss_last"] < 0.05, stats
+def mt(taught_tool_model):
+    path = taught_tool_model
     set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide
     init_world(0, 1, free_port())
     tokenizer, processor = load_processor(path)
