@@ -9,11 +9,18 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
+from collections.abc import Callable
 from types import FrameType
 
 from vlrl.config import ConfigError, PPOConfig
 
 _sigterm_received = False  # set by `_raise_on_sigterm`
+_cleanup_cut = False  # set by `_clean_up` when it stopped waiting for a step after SIGTERM
+# After SIGTERM each clean-up step gets this long, so that the whole exit fits in the 30 s a
+# scheduler (Slurm's KillWait, Kubernetes' grace period) usually leaves before SIGKILL.
+SIGTERM_CLEANUP_S = 15.0
 
 
 def _usage() -> str:
@@ -53,8 +60,8 @@ def run(argv: list[str]) -> int:
         write_summary(_train(config, argv), config)
     finally:
         try:
-            _write_ray_timeline(config.trainer.ray_timeline)
-            _stop_ray()
+            _clean_up(lambda: _write_ray_timeline(config.trainer.ray_timeline))
+            _clean_up(_stop_ray)
         finally:
             _remove_shared_memory()
     return 0
@@ -74,7 +81,7 @@ def _train(config: PPOConfig, argv: list[str]) -> list[dict[str, float]]:
         try:
             return trainer.fit()
         except (WorkerDied, RankHang) as exc:
-            if failures >= config.trainer.max_failures:
+            if failures >= config.trainer.max_failures or _sigterm_received:
                 raise
             failures += 1
             saved = trainer.checkpoints.saved
@@ -84,7 +91,7 @@ def _train(config: PPOConfig, argv: list[str]) -> list[dict[str, float]]:
             if saved is not None:
                 config = load_config([*argv, f"trainer.load_checkpoint_path={saved}"])
         finally:
-            trainer.close()  # a hung rank is killed here
+            _clean_up(trainer.close)  # a hung rank is killed here
 
 
 def print_config_requested(argv: list[str]) -> bool:
@@ -118,6 +125,37 @@ def _stop_ray() -> None:
         ray.shutdown()
 
 
+def _clean_up(step: Callable[[], None]) -> None:
+    """Run a clean-up step of the CLI. After SIGTERM it runs in a thread that is waited for
+    SIGTERM_CLEANUP_S at most, and no longer once this run's own Ray processes are gone (a
+    SIGTERM sent to the process group stops them too, and Ray's calls would then wait 60 s for
+    their GCS and end the process with exit 1); the steps after a cut one are skipped, and
+    `_exit_on_sigterm` ends the process without Ray's exit hooks."""
+    global _cleanup_cut
+    from vlrl.trainer.ray_workers import local_ray_stopped
+
+    if not _sigterm_received:
+        step()
+        return
+    if _cleanup_cut:
+        return
+    worker = threading.Thread(target=step, name="vlrl-clean-up", daemon=True)
+    worker.start()
+    started = time.monotonic()
+    while worker.is_alive():
+        ray_gone = local_ray_stopped()
+        if ray_gone or time.monotonic() - started > SIGTERM_CLEANUP_S:
+            _cleanup_cut = True
+            why = (
+                "Ray's processes were stopped by the signal too"
+                if ray_gone
+                else f"over {SIGTERM_CLEANUP_S:.0f} s"
+            )
+            print(f"vlrl: clean-up cut short ({why}); ending the process", file=sys.stderr, flush=True)
+            return
+        worker.join(0.2)
+
+
 def _remove_shared_memory() -> None:
     """Unlink the vLLM CPU all-reduce segments this run's ranks left on this machine (a rank
     killed before its engine closed: an error, SIGTERM); other runs' are never touched."""
@@ -147,7 +185,10 @@ def _exit_on_sigterm() -> None:
     """After SIGTERM (whatever the exception it became): exit 143, as a process killed by it."""
     if _sigterm_received:
         print("vlrl: terminated by SIGTERM (exit 143); the rank workers are stopped and the latest complete "
-              "checkpoint is kept", file=sys.stderr)  # fmt: skip
+              "checkpoint is kept", file=sys.stderr, flush=True)  # fmt: skip
+        if _cleanup_cut:  # Ray's exit hook would wait for its GCS again; the OS ends what is left
+            sys.stdout.flush()
+            os._exit(143)
         sys.exit(143)  # 128 + SIGTERM
 
 

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vlrl.config import PPOConfig
 from vlrl.trainer.deadlines import CallDeadlines, Stopwatch
 from vlrl.trainer.ranks import RankRoles, check_one_per_rank
+from vlrl.trainer.ray_sessions import mark_session, remove_ended_sessions
 from vlrl.utils.library_logs import worker_log_env
 from vlrl.utils.rank_threads import RANK_NUM_CPUS, user_thread_env
 
@@ -62,12 +63,41 @@ def start_ray(config: PPOConfig) -> None:
         # On CPU the ranks are logical: give Ray at least one "CPU" per rank plus the driver.
         num_cpus = max(os.cpu_count() or 1, config.world_size + 1)
         ray.init(num_cpus=num_cpus, runtime_env=env, include_dashboard=False, log_to_driver=True)
+        _tidy_local_sessions()
     if callable(sigterm):
         # ray.init replaces the SIGTERM handler (ray 2.60: `sys.exit` in ray/_private/worker.py
         # `init`, and for a local cluster "kill Ray's processes, exit 1" in ray/_private/node.py
         # `_register_shutdown_hooks`); keep the caller's (the CLI's clean shutdown, whose `finally`
         # stops Ray too).
         signal.signal(signal.SIGTERM, sigterm)
+
+
+def _tidy_local_sessions() -> None:
+    """Mark this cluster's session folder as vlrl's and remove ended runs' (ray_sessions.py).
+    Reads Ray's private node record (ray 2.60: `ray._private.worker._global_node`)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None:
+        return
+    try:
+        mark_session(node.get_session_dir_path())
+    except OSError as exc:
+        logger.warning("could not mark Ray's session folder %s: %s", node.get_session_dir_path(), exc)
+        return
+    remove_ended_sessions(node.get_temp_dir_path(), node.get_session_dir_path())
+
+
+def local_ray_stopped() -> bool:
+    """Whether the Ray cluster this process started (no RAY_ADDRESS) has lost its GCS or raylet:
+    a SIGTERM to the process group stops them with the driver. Ray's calls would then wait
+    `gcs_rpc_server_reconnect_timeout_s` (60 s) and end the process with exit 1 (ray 2.60,
+    src/ray/rpc/rpc_client.h). Reads Ray's private node record (`ray._private.worker._global_node`,
+    `all_processes`); False where it is missing or the cluster is not this process's."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None or not getattr(node, "head", False):
+        return False
+    processes = getattr(node, "all_processes", {})
+    ours = [info.process for kind in ("gcs_server", "raylet") for info in processes.get(kind, [])]
+    return any(process.poll() is not None for process in ours)
 
 
 def _free_port_and_ip() -> tuple[str, int]:
