@@ -151,11 +151,9 @@ def main() -> None:
             row.append(f"{t_vec * 1e3:>14.2f} {t_loop * 1e3:>10.1f} {t_loop / t_vec:>9.1f}x")
         print(f"{name:<12} {' '.join(row)}")
     print("token-level estimators (no loop baseline; one reverse loop over time when gamma < 1):")
-    values = torch.zeros_like(rewards)
     for name, kw in (
         ("reinforce_plus_plus gamma=1", {"gamma": 1.0}),
         ("reinforce_plus_plus gamma=0.99", {"gamma": 0.99}),
-        ("gae gamma=1 lam=0.95", {"gamma": 1.0, "lam": 0.95, "values": values}),
     ):
         estimator = name.split()[0]
         t = best_time(

@@ -75,8 +75,6 @@ def test_easyr1_only_sections_load(base: list[str]) -> None:
             "worker.actor.ulysses_size=1",
             "worker.actor.tau_positive=0.9",
             "worker.rollout.disable_tqdm=true",
-            "worker.critic.cliprange_value=0.3",
-            "trainer.critic_warmup=0",
             "trainer.ray_timeline=/tmp/timeline.json",
             "trainer.logger=['console','swanlab','mlflow']",
             "data.video_fps=1.0",
@@ -86,6 +84,25 @@ def test_easyr1_only_sections_load(base: list[str]) -> None:
     assert config.worker.ref.fsdp.enable_cpu_offload and not config.worker.actor.fsdp.enable_cpu_offload
     assert config.worker.actor.tau_positive == 0.9 and config.worker.actor.tau_negative == 1.05
     assert config.trainer.logger == ["console", "swanlab", "mlflow"]
+
+
+def test_critic_keys_stop_the_run_naming_each_key(base: list[str]) -> None:
+    """No critic is trained here: its keys are an error that lists them, never loaded and ignored."""
+    with pytest.raises(ConfigError) as info:
+        load_config([*base, "worker.critic.cliprange_value=0.3", "worker.critic.model.model_path=/m",
+                     "trainer.critic_warmup=0", "algorithm.lam=0.95"])  # fmt: skip
+    message = str(info.value)
+    assert "4 problem(s)" not in message and "3 problem(s)" in message
+    assert "worker.critic.cliprange_value, worker.critic.model.model_path: vlrl trains no critic" in message
+    assert "trainer.critic_warmup: steps that train only the critic" in message
+    assert "algorithm.lam: GAE's lambda" in message
+
+
+def test_gae_is_not_an_estimator(base: list[str]) -> None:
+    with pytest.raises(
+        ConfigError, match=r"algorithm.adv_estimator='gae' is unknown; choose one of \['dr_grpo'"
+    ):
+        load_config([*base, "algorithm.adv_estimator=gae"])
 
 
 def test_reference_follows_the_actor_unless_set(base: list[str]) -> None:

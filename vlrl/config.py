@@ -115,11 +115,10 @@ class DataConfig(_Section):
 @dataclass
 class AlgorithmConfig(_Section):
     adv_estimator: str = "grpo"
-    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_plus_plus, remax, grpo_passk, gae."""
+    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_plus_plus, remax, grpo_passk (all
+    critic-free: EasyR1's gae, which needs a value model, is not implemented)."""
     gamma: float = 1.0
-    """Discount factor (reinforce_plus_plus, gae)."""
-    lam: float = 1.0
-    """GAE lambda."""
+    """Discount factor (reinforce_plus_plus)."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO divides by the group's std; False gives Dr.GRPO's plain mean-centering."""
     disable_kl: bool = False
@@ -319,39 +318,6 @@ class RefConfig(_Section):
 
 
 @dataclass
-class CriticConfig(_Section):
-    """EasyR1's critic settings. They matter only for algorithm.adv_estimator=gae, which vlrl does not
-    train yet (rejected at start-up); they load so EasyR1 configs carry over."""
-
-    strategy: str = "fsdp"
-    """Training strategy of the critic."""
-    global_batch_size: int = 256
-    """Prompts per critic optimizer step."""
-    micro_batch_size_per_device_for_update: int = 4
-    """Samples per critic forward/backward (per rank)."""
-    micro_batch_size_per_device_for_experience: int = 16
-    """Samples per forward when computing values (per rank)."""
-    max_grad_norm: float = 1.0
-    """Gradient-norm clipping threshold of the critic."""
-    cliprange_value: float = 0.5
-    """Value-loss clip range."""
-    loss_avg_mode: str = "token"
-    """Value-loss aggregation."""
-    ppo_epochs: int = 1
-    """Critic passes over each step's data."""
-    padding_free: bool = False
-    """Pack sequences without padding in the critic."""
-    dynamic_batching: bool = True
-    """Token-budget micro-batches in the critic."""
-    ulysses_size: int = 1
-    """Sequence-parallel group size of the critic."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-
-
-@dataclass
 class MultiTurnConfig(_Section):
     enable: bool = False
     """Multi-turn rollouts: the model may call tools (and an interaction may answer as the user)
@@ -498,7 +464,6 @@ class WorkerConfig(_Section):
     """Actor, rollout and reference share each rank. Only true is supported (false fails at start-up;
     separate rollout ranks are `worker.rollout.async_ranks`)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -564,8 +529,6 @@ class TrainerConfig(_Section):
     """Resume from this checkpoint (a `global_step_N` folder)."""
     find_last_checkpoint: bool = True
     """Resume from the newest complete checkpoint in `save_checkpoint_path` when one exists."""
-    critic_warmup: int = 0
-    """Steps that train only the critic (gae only; accepted, no critic is trained here)."""
     ray_timeline: str | None = None
     """Write Ray's task timeline (Chrome trace JSON) to this file at the end of the run."""
     plot_path: str | None = None

@@ -229,10 +229,6 @@ def _check_algorithm(config: PPOConfig) -> list[str]:
         errors.append(
             f"algorithm.adv_estimator={algo.adv_estimator} compares samples of one prompt: set worker.rollout.n >= 2"
         )
-    if algo.adv_estimator == "gae":
-        errors.append(
-            "algorithm.adv_estimator=gae needs a critic, which vlrl does not train yet; use grpo or rloo"
-        )
     if actor.clip_ratio_dual <= 1.0:
         errors.append(f"worker.actor.clip_ratio_dual={actor.clip_ratio_dual} must be > 1")
     if not 0 <= actor.clip_ratio_low < 1:

@@ -3,8 +3,8 @@ accepted with no effect here. One table for each; `vlrl.config_loader` applies t
 `startup_notes` turns the other two into the lines logged at start-up.
 
 A key of EasyR1's tree is never silently ignored: it is a vlrl key (same name, same meaning), an
-alias below (another name here), listed in `WITHOUT_EFFECT` (logged when set), or rejected at
-start-up by `vlrl.config_checks` with a message saying why.
+alias below (another name here), listed in `WITHOUT_EFFECT` (logged when set), in `NOT_IMPLEMENTED`
+(a start-up error saying so), or rejected at start-up by `vlrl.config_checks` with a message saying why.
 """
 
 from __future__ import annotations
@@ -69,7 +69,18 @@ WITHOUT_EFFECT: dict[str, str] = {
     "worker.actor.fsdp.use_orig_params": "FSDP2 always trains the original (unflattened) parameters",
     "worker.ref.fsdp.use_orig_params": "FSDP2 always keeps the original (unflattened) parameters",
     "worker.ref.strategy": "the reference is sharded like the actor (worker.actor.strategy)",
-    "trainer.critic_warmup": "no critic is trained (algorithm.adv_estimator=gae is rejected)",
+}
+
+# EasyR1 keys of what vlrl does not implement: setting one stops the run at start-up with the reason
+# (a key under a listed section counts too), rather than load and do nothing.
+NOT_IMPLEMENTED: dict[str, str] = {
+    "worker.critic": (
+        "vlrl trains no critic (value model): EasyR1's algorithm.adv_estimator=gae is not implemented; "
+        "the critic-free estimators (grpo, dr_grpo, rloo, reinforce_plus_plus, remax, grpo_passk) need no "
+        "worker.critic section: remove it"
+    ),
+    "trainer.critic_warmup": "steps that train only the critic; vlrl trains no critic (see worker.critic): remove it",
+    "algorithm.lam": "GAE's lambda; vlrl has no gae estimator (it needs a critic): remove it",
 }
 
 
@@ -91,6 +102,24 @@ def resolve_aliases(tree: dict[str, Any], errors: list[str]) -> None:
             )
             continue
         _put(tree, alias.target, value)
+
+
+def reject_not_implemented(tree: dict[str, Any], errors: list[str]) -> None:
+    """Remove every `NOT_IMPLEMENTED` key (or section) the nested `tree` sets, appending an error
+    for each: the key and why."""
+    for key, why in NOT_IMPLEMENTED.items():
+        found, value = _pop(tree, key)
+        if found:
+            set_keys = sorted(_leaf_keys(value, key)) if isinstance(value, dict) and value else [key]
+            errors.append(f"{', '.join(set_keys)}: {why}")
+
+
+def _leaf_keys(node: dict[str, Any], prefix: str) -> list[str]:
+    out = []
+    for name, value in node.items():
+        key = f"{prefix}.{name}"
+        out.extend(_leaf_keys(value, key) if isinstance(value, dict) and value else [key])
+    return out
 
 
 def startup_notes(config: Any, given: set[str]) -> list[str]:

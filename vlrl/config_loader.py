@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from vlrl.config import ConfigError, PPOConfig, _Section
-from vlrl.config_compat import resolve_aliases
+from vlrl.config_compat import reject_not_implemented, resolve_aliases
 
 
 def load_config(argv: list[str], finalize: bool = True) -> PPOConfig:
@@ -52,6 +52,7 @@ def read_tree(argv: list[str], errors: list[str] | None = None) -> dict[str, Any
     for key, value in overrides:
         _set_dotted(tree, key, value)
     resolve_aliases(tree, errors if errors is not None else [])
+    reject_not_implemented(tree, errors if errors is not None else [])
     return tree
 
 

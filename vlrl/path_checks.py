@@ -158,8 +158,6 @@ PATH_KEYS = {
     "data.image_check_cache_dir": "output",
     "worker.actor.model.model_path": "input",
     "worker.actor.model.tokenizer_path": "input",
-    "worker.critic.model.model_path": "input",  # accepted for EasyR1 configs, never loaded
-    "worker.critic.model.tokenizer_path": "input",
     "worker.reward.reward_function": "spec",
     "worker.rollout.multi_turn.tools": "spec",
     "worker.rollout.multi_turn.tool_config_path": "input",

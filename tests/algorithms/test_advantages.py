@@ -133,33 +133,6 @@ def test_reinforce_plus_plus():
     torch.testing.assert_close(adv, torch.tensor([[-0.75, -0.125, 1.125], [1.125, -1.375, 0.0]]))
 
 
-def test_gae():
-    # r = [0, 0, 1], V = [0.5, 0.6, 0.8], gamma = lam = 0.5:
-    # delta_2 = 1 + 0 - 0.8 = 0.2; delta_1 = 0 + 0.5*0.8 - 0.6 = -0.2; delta_0 = 0.5*0.6 - 0.5 = -0.2
-    # A_2 = 0.2; A_1 = -0.2 + 0.25*0.2 = -0.15; A_0 = -0.2 + 0.25*(-0.15) = -0.2375
-    # returns = A + V = [0.2625, 0.45, 1.0]; row 1 is padding after one token (V of padding ignored)
-    rewards = torch.tensor([[0.0, 0.0, 1.0], [2.0, 0.0, 0.0]])
-    values = torch.tensor([[0.5, 0.6, 0.8], [1.5, 9.0, 9.0]])
-    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    kw = {"gamma": 0.5, "lam": 0.5, "values": values}
-    adv, ret = compute_advantages("gae", rewards, mask, torch.tensor([0, 0]), **kw)
-    # row 1: delta_0 = 2 + 0 - 1.5 = 0.5 = A_0; return 2.0
-    torch.testing.assert_close(ret, torch.tensor([[0.2625, 0.45, 1.0], [2.0, 0.0, 0.0]]))
-    raw = torch.tensor([-0.2375, -0.15, 0.2, 0.5])
-    expected = (raw - raw.mean()) / (raw.var(unbiased=False).sqrt() + 1e-6)
-    torch.testing.assert_close(adv[mask.bool()], expected)
-    assert torch.all(adv[~mask.bool()] == 0)
-
-
-def test_gae_lambda_one_is_return_minus_value():
-    # gamma = lam = 1: A_t = G_t - V_t = 1 - V -> [0.5, 0.4, 0.2]; returns = 1 everywhere
-    rewards, values = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.6, 0.8]])
-    _, ret = compute_advantages("gae", rewards, torch.ones(1, 3), torch.tensor([0]), values=values)
-    torch.testing.assert_close(ret, torch.ones(1, 3))
-    with pytest.raises(ValueError, match="values"):
-        compute_advantages("gae", rewards, torch.ones(1, 3), torch.tensor([0]))
-
-
 def test_masked_whiten_empty_batch_is_zero():
     out = masked_whiten(torch.randn(2, 3), torch.zeros(2, 3))
     assert torch.all(out == 0)
@@ -168,7 +141,7 @@ def test_masked_whiten_empty_batch_is_zero():
 def test_fully_masked_rows_stay_finite_for_every_estimator():
     rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
     mask = torch.tensor([[1, 1], [0, 0], [1, 0], [0, 0]])
-    kw = {"values": torch.rand(4, 2), "baseline_scores": torch.zeros(4)}
+    kw = {"baseline_scores": torch.zeros(4)}
     for name in ADV_ESTIMATORS:
         adv, ret = compute_advantages(name, rewards, mask, torch.tensor([3, 3, 8, 8]), **kw)
         assert torch.isfinite(adv).all() and torch.isfinite(ret).all(), name
@@ -192,7 +165,6 @@ def test_registries_match_config_checks():
         "reinforce_plus_plus",
         "remax",
         "grpo_passk",
-        "gae",
     }
     assert isinstance(GROUP_ESTIMATORS, frozenset)
     assert set(GROUP_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "grpo_passk"}
@@ -201,20 +173,18 @@ def test_registries_match_config_checks():
     assert LOSS_AGG_MODES == ("token", "seq", "seq-mean-token-sum")
 
 
-@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "gae"])
 @pytest.mark.parametrize(("b", "t"), [(64, 5), (100, 5), (1000, 3)])
 @pytest.mark.parametrize("value", [0.9, 0.7])
-def test_equal_inexact_returns_whiten_to_zero(estimator, b, t, value):
+def test_equal_inexact_returns_whiten_to_zero(b, t, value):
     """Every valid return equal and not exact in float32: advantages must be ~0.
 
     With float32 statistics the mean is off by ~1e-8 (how much depends on the summation order of
     the dot product: here (64, 5) happened to be exact, (1000, 3) with 0.9 gave 0.15) and
     (x - mean) / (std + eps) blew that residue up to advantages of order 0.1."""
     rewards = torch.zeros(b, t)
-    rewards[:, -1] = value  # gamma = lam = 1: every token's return (and GAE advantage with V = 0) is `value`
+    rewards[:, -1] = value  # gamma = 1: every token's return is `value`
     mask = torch.ones(b, t)
-    kw = {"values": torch.zeros(b, t)} if estimator == "gae" else {}
-    adv, _ = compute_advantages(estimator, rewards, mask, torch.arange(b), **kw)
+    adv, _ = compute_advantages("reinforce_plus_plus", rewards, mask, torch.arange(b))
     assert adv.dtype == torch.float32
     assert adv.abs().max() < 1e-6
 

@@ -11,7 +11,7 @@ values, in any order, and no Python loop runs over samples. Group statistics are
 float64 (the [B] vectors are tiny) so that groups of equal scores give advantages of ~0, not
 rounding noise divided by eps.
 
-Token-level estimators (reinforce_plus_plus, gae) run one reverse loop over the T time steps,
+The token-level estimator (reinforce_plus_plus) runs one reverse loop over the T time steps,
 vectorized over the batch. Positions where `response_mask` is 0 are skipped: they get advantage and
 return 0 and the running return passes through them unchanged (so a masked hole, e.g. a tool
 output in a multi-turn response, neither ends the episode nor counts as a discount step).
@@ -113,10 +113,8 @@ def grpo(
     group_ids: Tensor,
     *,
     gamma: float = 1.0,
-    lam: float = 1.0,
     eps: float = 1e-6,
     norm_by_std: bool = True,
-    values: Tensor | None = None,
     baseline_scores: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GRPO: A_i = (s_i - mean_g) / (std_g + eps), std unbiased; `norm_by_std=False`: s_i - mean_g.
@@ -138,10 +136,8 @@ def dr_grpo(
     group_ids: Tensor,
     *,
     gamma: float = 1.0,
-    lam: float = 1.0,
     eps: float = 1e-6,
     norm_by_std: bool = True,
-    values: Tensor | None = None,
     baseline_scores: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Dr. GRPO: A_i = s_i - mean_g (GRPO without the std division, whatever `norm_by_std` says)."""
@@ -154,10 +150,8 @@ def rloo(
     group_ids: Tensor,
     *,
     gamma: float = 1.0,
-    lam: float = 1.0,
     eps: float = 1e-6,
     norm_by_std: bool = True,
-    values: Tensor | None = None,
     baseline_scores: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """RLOO: A_i = s_i - (sum_g - s_i) / (n_g - 1), the leave-one-out mean; 0 for groups of one."""
@@ -175,10 +169,8 @@ def remax(
     group_ids: Tensor,
     *,
     gamma: float = 1.0,
-    lam: float = 1.0,
     eps: float = 1e-6,
     norm_by_std: bool = True,
-    values: Tensor | None = None,
     baseline_scores: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """ReMax: A_i = s_i - b_i where b_i (`baseline_scores`, [B]) is the score of the greedy response."""
@@ -195,10 +187,8 @@ def grpo_passk(
     group_ids: Tensor,
     *,
     gamma: float = 1.0,
-    lam: float = 1.0,
     eps: float = 1e-6,
     norm_by_std: bool = True,
-    values: Tensor | None = None,
     baseline_scores: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Pass@k GRPO: only the best sample of a group learns; A_best = (s_max - s_second) / (std_g + eps).
@@ -250,59 +240,14 @@ def reinforce_plus_plus(
     group_ids: Tensor,
     *,
     gamma: float = 1.0,
-    lam: float = 1.0,
     eps: float = 1e-6,
     norm_by_std: bool = True,
-    values: Tensor | None = None,
     baseline_scores: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++: discounted token returns G, whitened over all valid tokens of the batch."""
     _check_inputs(token_level_rewards, response_mask, group_ids)
     returns = discounted_returns(token_level_rewards, response_mask, gamma)
     return masked_whiten(returns, response_mask, eps), returns
-
-
-def gae(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    group_ids: Tensor,
-    *,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    eps: float = 1e-6,
-    norm_by_std: bool = True,
-    values: Tensor | None = None,
-    baseline_scores: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """GAE: delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next; returns = A + V.
-
-    V_next is the value of the next valid token (0 after the last one). Advantages are whitened
-    over the batch's valid tokens; returns use the raw advantages.
-    """
-    _check_inputs(token_level_rewards, response_mask, group_ids)
-    if values is None or values.shape != token_level_rewards.shape:
-        raise ValueError("gae needs values [B, T] from a critic")
-    m = response_mask.to(token_level_rewards.dtype)
-    vals = values.to(m.dtype) * m
-    adv = _gae_raw_advantages(token_level_rewards * m, vals, m, gamma, lam)
-    returns = (adv + vals) * m
-    return masked_whiten(adv, response_mask, eps), returns
-
-
-def _gae_raw_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> Tensor:
-    """The GAE recursion over valid tokens (masked inputs, float mask), one reverse step per column. [B, T]."""
-    # Time-major [T, B] copies: each step reads contiguous rows instead of strided columns.
-    m_tb, rewards_tb, values_tb = (x.t().contiguous() for x in (mask, rewards, values))
-    adv_tb = torch.empty_like(rewards_tb)
-    last_adv = mask.new_zeros(mask.shape[0])  # [B], A of the next valid token
-    next_value = mask.new_zeros(mask.shape[0])  # [B], V of the next valid token
-    for t in reversed(range(m_tb.shape[0])):
-        valid = m_tb[t] > 0
-        delta = rewards_tb[t] + gamma * next_value - values_tb[t]
-        last_adv = torch.where(valid, delta + gamma * lam * last_adv, last_adv)
-        next_value = torch.where(valid, values_tb[t], next_value)
-        adv_tb[t] = last_adv * m_tb[t]
-    return adv_tb.t().contiguous()
 
 
 # ----------------------------------------------------------------------------------- registry
@@ -313,7 +258,6 @@ ADV_ESTIMATORS: dict[str, AdvantageFn] = {
     "reinforce_plus_plus": reinforce_plus_plus,
     "remax": remax,
     "grpo_passk": grpo_passk,
-    "gae": gae,
 }
 
 

@@ -31,10 +31,15 @@ def _section(cls: type, prefix: str, out: list[str]) -> None:
     if leaves:
         out += [f"\n### `{prefix.rstrip('.')}`\n", "| key | default | meaning |", "| --- | --- | --- |"]
         for f in leaves:
-            out.append(f"| `{prefix}{f.name}` | `{_default(f)}` | {docs.get(f.name, '').replace('|', '/')} |")
+            out.append(f"| `{prefix}{f.name}` | `{_default(f)}` | {_cell(docs.get(f.name, ''))} |")
     for f in fields(cls):
         if f.default_factory is not MISSING and is_dataclass(f.default_factory()):
             _section(type(f.default_factory()), prefix + f.name + ".", out)
+
+
+def _cell(doc: str) -> str:
+    """A docstring as one table cell: its lines joined (a line break would end the row), `|` escaped."""
+    return " ".join(doc.split()).replace("|", "/")
 
 
 def render() -> str:

@@ -205,7 +205,7 @@ class PPOTrainer:
                 # 5. advantages
                 batch.advantages, batch.returns = compute_advantages(
                     algo.adv_estimator, batch.token_level_rewards, batch.response_mask, batch.group_ids,
-                    gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std_in_grpo,
+                    gamma=algo.gamma, norm_by_std=algo.norm_adv_by_std_in_grpo,
                     baseline_scores=baselines,
                 )  # fmt: skip
                 if algo.tis_cap is not None:
