@@ -36,8 +36,8 @@ export VIRTUAL_ENV="$PWD/$VENV" UV_PYTHON="$PWD/$VENV/bin/python" UV_LINK_MODE=c
 
 TORCH_PINS=(torch==2.13.0 torchvision==0.28.0)
 COMMON=(
-  "transformers==5.19.*" "tokenizers>=0.23.2" "ray[default]==2.60.*" "tensordict==0.15.*"
-  "datasets==5.2.*" "qwen-vl-utils==0.0.14" "av==18.*" jinja2 pillow "wandb==0.31.*" "omegaconf==2.4.*"
+  "transformers==5.19.*" "tokenizers>=0.23.2" "ray[default]==2.60.*"
+  "datasets==5.2.*" "qwen-vl-utils==0.0.14" "av==18.*" jinja2 pillow "wandb==0.31.*"
   tensorboard matplotlib tqdm pyarrow pandas math-verify "peft==0.21.*" pytest pytest-timeout ruff "mypy==1.20.*" types-PyYAML
   # EasyR1 carry-over: its loggers, and the packages its reward files import
   "swanlab==0.10.*" "mlflow-skinny==3.17.*" "mathruler==0.1.*" "pylatexenc==2.11.*"

@@ -7,7 +7,7 @@ actor update with MFU (qwen3b_check).
 
 Packages it needs, all preinstalled on the bare GPU machine (docs/gpu.md): torch, transformers,
 tokenizers, safetensors, pillow, numpy, jinja2 (chat templates). It imports no vLLM, Ray,
-flash-attn (optional: tested when importable), tensordict, omegaconf, datasets, qwen-vl-utils or
+flash-attn (optional: tested when importable), datasets or
 wandb: vlrl imports those lazily, only on code paths this tool does not take (the config is built
 from the dataclasses, the rollout is the HF engine, the worker is called without Ray).
 """

@@ -2,7 +2,7 @@
 plus the few calls into the actor's internals (kept here, in one place, so a change of those
 signatures is fixed once).
 
-PPOConfig is built from its dataclasses directly (no YAML loader, no omegaconf needed)."""
+PPOConfig is built from its dataclasses directly (no YAML loader)."""
 
 from __future__ import annotations
 
