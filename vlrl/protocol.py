@@ -9,7 +9,7 @@ so a reordering or split always moves every field together and nothing is keyed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 import torch
@@ -67,28 +67,6 @@ class SampleBatch:
     def repeat_interleave(self: B, repeats: int) -> B:
         """Each row repeated `repeats` times, copies adjacent (a GRPO group stays contiguous)."""
         return self.select([i for i in range(len(self)) for _ in range(repeats)])
-
-    def row_values(self) -> dict[str, list[Any]]:
-        """{field: [its value for each row]} of the filled per-row fields (a tensor field gives its
-        rows, a list field its entries); `from_rows` puts them back together."""
-        out: dict[str, list[Any]] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                out[f.name] = list(value.unbind(0))
-            elif isinstance(value, list):
-                out[f.name] = list(value)
-        return out
-
-    @classmethod
-    def from_rows(cls: type[B], rows: dict[str, list[Any]], **scalars: Any) -> B:
-        """The batch whose rows are `rows` (as `row_values` gives them); tensor rows are stacked.
-        `scalars`: the fields that are not per row (e.g. prompt_length)."""
-        values = {
-            name: torch.stack(items) if items and isinstance(items[0], torch.Tensor) else list(items)
-            for name, items in rows.items()
-        }
-        return cls(**values, **scalars)
 
     @classmethod
     def concat(cls: type[B], batches: list[B]) -> B:
@@ -160,9 +138,6 @@ class RolloutBatch(SampleBatch):
         return self.response_mask.sum(-1)
 
 
-ROW_FIELDS = tuple(f.name for f in fields(RolloutBatch) if f.name != "prompt_length")
-"""The per-row fields of a RolloutBatch: the columns of a rank's `ExperienceStore`."""
-
 # Every tensor field of RolloutBatch by the width of its last dimension, so that padding two
 # batches to common widths moves all of them (tests/trainer/test_dispatch.py checks that each
 # tensor field is in exactly one of these; a new [N, R] field must be added here).
@@ -178,10 +153,27 @@ TOKEN_ID_FIELDS = ("input_ids", "responses")  # padded with the pad token id; th
 @dataclass
 class KeptRows:
     """An update's shard when the rank already holds its rows (kept by the log-prob pass): their ids
-    and the columns the driver computed since, e.g. {"advantages": [rows, R]}."""
+    and the columns the driver computed since, each either per token, e.g. {"advantages": [rows, R]},
+    or, in `per_row`, one value per row [rows] that the rank spreads over the row's response tokens
+    (`spread_over_response`): an outcome estimator's advantages cross as 4 bytes a sample."""
 
     rows: list[int]
     columns: dict[str, torch.Tensor]
+    per_row: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def one_value_per_row(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor | None:
+    """values [N, R] as [N] when every row is one value on its response tokens and 0 elsewhere,
+    so that `spread_over_response` gives back exactly `values`; else None."""
+    first = response_mask.to(torch.long).argmax(-1, keepdim=True)  # [N, 1] a valid column of each row
+    per_row = values.gather(-1, first).squeeze(-1)  # [N]
+    return per_row if torch.equal(spread_over_response(per_row, response_mask), values) else None
+
+
+def spread_over_response(per_row: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[N] -> [N, R]: each row's value on its response tokens, 0 elsewhere (as the outcome
+    estimators spread one advantage per sequence)."""
+    return per_row.unsqueeze(-1) * response_mask.to(per_row.dtype)
 
 
 @dataclass

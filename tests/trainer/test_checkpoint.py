@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vlrl.trainer.checkpoint import CheckpointManager, check_checkpoint, read_state
-from vlrl.trainer.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
+from vlrl.utils.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
 
 
 def _writer(content: str):

@@ -54,6 +54,48 @@ def test_merge_takes_one_rank_per_tensor_parallel_group() -> None:
     a, b = _rollout([1], [2], 1, 0), _rollout([3], [4], 1, 1)
     merged = merge_rollouts([a, a, b, b], tp_size=2, pad_token_id=PAD)
     assert merged.group_ids.tolist() == [0, 1]
+    # the peers return None (RankWorker.generate_stream): the same merge
+    assert torch.equal(
+        merge_rollouts([a, None, b, None], tp_size=2, pad_token_id=PAD).input_ids, merged.input_ids
+    )
+
+
+def _scored_batch(rows: int = 12, width: int = 6) -> RolloutBatch:
+    from vlrl.algorithms import compute_advantages
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+    mask = (torch.arange(width)[None] < lengths[:, None]).long()  # [rows, width] varied lengths
+    scores = torch.zeros(rows, width)
+    scores[torch.arange(rows), lengths - 1] = torch.rand(rows, generator=g)
+    batch = RolloutBatch.concat(
+        [_rollout([1, 2], [3] * width, eos_at=width, gid=i // 4) for i in range(rows)]
+    )
+    batch.response_mask = mask
+    batch.advantages, _ = compute_advantages("grpo", scores, mask, batch.group_ids)
+    return batch
+
+
+def test_outcome_advantages_cross_as_one_float_per_row_and_spread_back_exactly() -> None:
+    import pickle
+
+    from vlrl.protocol import spread_over_response
+    from vlrl.trainer.ppo_trainer import PPOTrainer
+
+    batch, shards = _scored_batch(), [[5, 0, 7, 2, 9, 11], [1, 3, 4, 6, 8, 10]]
+    per_row = PPOTrainer._update_shards(batch, shards, kept=True)
+    for kept, rows in zip(per_row, shards):
+        assert kept.rows == rows and not kept.columns and kept.per_row["advantages"].shape == (6,)
+        rebuilt = spread_over_response(kept.per_row["advantages"], batch.response_mask[rows])
+        assert torch.equal(rebuilt, batch.advantages[rows])  # what the rank's update gets
+    # per-token advantages (truncated importance weights) go whole
+    batch.advantages = batch.advantages * torch.linspace(0.5, 1.5, 6)
+    per_token = PPOTrainer._update_shards(batch, shards, kept=True)
+    assert all(
+        not k.per_row and torch.equal(k.columns["advantages"], batch.advantages[r])
+        for k, r in zip(per_token, shards)
+    )
+    assert len(pickle.dumps(per_row)) < len(pickle.dumps(per_token))
 
 
 def test_gather_rows_restores_order() -> None:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from vlrl.config import PPOConfig, resolve_device
-from vlrl.trainer.checkpoint_files import check_shared_filesystem, probe_shared_path
 from vlrl.trainer.ray_workers import check_cluster_fits, rank_placement
+from vlrl.utils.checkpoint_files import check_shared_filesystem, probe_shared_path
 
 
 # ----------------------------------------------------------------------------- device=auto

@@ -30,10 +30,13 @@ class _Recorder:
         return record
 
 
-def _worker(calls: list[str], device: str, fail_on: str | None = None) -> RankWorker:
+def _worker(
+    calls: list[str], device: str, fail_on: str | None = None, rank: int = 0, tp: int = 1
+) -> RankWorker:
     worker = RankWorker.__new__(RankWorker)  # no process group needed for this phase
     worker.device = torch.device(device)
-    worker.role, worker.image_refs = "hybrid", None
+    worker.role, worker.image_refs, worker.rank = "hybrid", None, rank
+    worker.config = SimpleNamespace(worker=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=tp)))
     worker.actor = _Recorder(calls, "actor")
     worker.rollout = _Recorder(calls, "rollout", fail_on)
     return worker
@@ -61,6 +64,15 @@ def test_streamed_groups_pass_while_the_actor_is_away_and_the_batch_comes_last()
     assert list(stream) == [BATCH] and calls[-1] == "actor.load_to_device"
 
 
+def test_only_the_first_rank_of_a_tensor_parallel_group_returns_rollouts() -> None:
+    """Its peers ran the same engine on the same prompts: they send no copy of the rows (nor of
+    the streamed groups) through the driver."""
+    for rank, expected in ((0, [GROUPS, BATCH]), (1, [None]), (2, [GROUPS, BATCH]), (3, [None])):
+        stream = _worker([], "cpu", rank=rank, tp=2).generate_stream(prompts=SimpleNamespace(images=[]))
+        assert list(stream) == expected, rank
+    assert _worker([], "cpu", rank=1, tp=2).generate(prompts=SimpleNamespace(images=[])) is None
+
+
 def test_no_cuda_cache_release_on_cpu(monkeypatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
@@ -86,3 +98,23 @@ def test_gpu_process_group_has_a_cpu_backend_for_fsdp_cpu_offload() -> None:
     ours = BackendConfig(process_group_backend("cuda")).get_device_backend_map()
     assert ours == {"cuda": "nccl", "cpu": "gloo"}
     assert process_group_backend("cpu") == "gloo"
+
+
+def test_update_reads_the_kept_rows_in_the_drivers_order_and_spreads_per_row_advantages() -> None:
+    from vlrl.protocol import KeptRows
+
+    worker = _worker([], "cpu")
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    worker.kept_rows = [7, 3]  # the step's row ids of the kept shard, in its order
+    worker.kept = RolloutBatch(
+        input_ids=torch.arange(10).view(2, 5), attention_mask=torch.ones(2, 5, dtype=torch.long),
+        position_ids=torch.arange(5).repeat(2, 1), responses=torch.tensor([[7, 8, 0], [9, 0, 0]]),
+        response_mask=mask, group_ids=torch.tensor([0, 1]), prompt_length=2, images=[[], []],
+        prompts=["a", "b"], ground_truths=[1, 2], extras=[{}, {}],
+    )  # fmt: skip
+    batch = worker._kept_batch(KeptRows([3, 7], {}, per_row={"advantages": torch.tensor([-0.5, 2.0])}))
+    assert batch.prompts == ["b", "a"] and batch.prompt_length == 2
+    assert batch.advantages.tolist() == [[-0.5, 0.0, 0.0], [2.0, 2.0, 0.0]]
+    assert batch.ref_log_probs is None  # never computed: still None
+    with pytest.raises(RuntimeError, match=r"names rows \[5\] that this step's log-prob pass did not keep"):
+        worker._kept_batch(KeptRows([3, 5], {"advantages": torch.zeros(2, 3)}))

@@ -71,7 +71,7 @@ class RowPreparer:
         self.format = FormatPrompt(config.format_prompt) if config.format_prompt else None
         self.chat = ChatFormatter(tokenizer, processor, config.override_chat_template, tools)
         self.spec: VisionSpec | None = vision_spec(processor, hf_config) if processor is not None else None
-        self.min_pixels, self.max_pixels = self._pixel_bounds(config)
+        self._pixel_bounds(config)  # data.min_pixels/max_pixels checked against one block (raises)
         # the processor's own bounds: its resize runs after the data bounds' rescale
         self.processor_bounds = self._pixel_bounds(SimpleNamespace(min_pixels=None, max_pixels=None))
         self.used_keys = {config.prompt_key, config.answer_key, config.image_key, config.video_key}

@@ -1,14 +1,14 @@
 """Weights from the training ranks to separate rollout ranks (asynchronous mode), by broadcast.
 
-When the engines do not live on the training ranks (`worker.hybrid_engine=false`), the weights
+When the engines do not live on the training ranks (asynchronous mode, `worker.rollout.async_ranks`), the weights
 cross between two torch.distributed worlds. `WeightBroadcast` is a process group of its own,
 made from a TCP store and not the default group (each side keeps its own default world: FSDP on
 the training ranks, vLLM's on the rollout ranks): member 0 is training rank 0, members 1..k are the
 rollout ranks.
 
 One sync (`send` on every training rank, `receive` on every rollout rank, at the same time):
-1. every training rank walks the actor's full tensors (FSDP all-gathers are collectives of the
-   training world); rank 0 converts them to the engines' dtype and packs them into flat byte
+1. every training rank casts its shards to the engines' dtype and walks the actor's full tensors
+   (FSDP all-gathers are collectives of the training world); rank 0 packs them into flat byte
    buckets of at most `bucket_mb` MiB;
 2. rank 0 broadcasts each bucket; every rollout rank unpacks it into views of the received buffer
    and hands them to its engine's `load_weights`.

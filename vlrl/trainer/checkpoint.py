@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from vlrl.trainer.checkpoint_files import (
+from vlrl.utils.checkpoint_files import (
     MANIFEST,
     PROBE_PREFIX,
     CorruptCheckpoint,

@@ -10,6 +10,7 @@ order (a group's ranks return identical values for the same rows).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -28,9 +29,10 @@ def split_prompts(prompts: PromptBatch, world_size: int, tp_size: int) -> list[P
     return [groups[rank // tp_size] for rank in range(world_size)]
 
 
-def merge_rollouts(per_rank: list[RolloutBatch], tp_size: int, pad_token_id: int) -> RolloutBatch:
-    """Concatenate the first rank of every tensor-parallel group, padding to common widths."""
-    parts = [b for rank, b in enumerate(per_rank) if rank % tp_size == 0 and len(b) > 0]
+def merge_rollouts(per_rank: Sequence[RolloutBatch | None], tp_size: int, pad_token_id: int) -> RolloutBatch:
+    """Concatenate the first rank of every tensor-parallel group (its peers return None),
+    padding to common widths."""
+    parts = [b for rank, b in enumerate(per_rank) if rank % tp_size == 0 and b is not None and len(b) > 0]
     width_p = max(b.prompt_length for b in parts)
     width_r = max(b.responses.shape[1] for b in parts)
     return RolloutBatch.concat([_pad_rollout(b, width_p, width_r, pad_token_id) for b in parts])

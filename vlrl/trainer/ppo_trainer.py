@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -30,11 +30,10 @@ from vlrl.algorithms.importance import truncated_importance_weighting
 from vlrl.config import PPOConfig
 from vlrl.image_refs import ImageRefs
 from vlrl.models.sampling import truncation_warning
-from vlrl.protocol import KeptRows, PromptBatch, RolloutBatch
+from vlrl.protocol import KeptRows, PromptBatch, RolloutBatch, one_value_per_row
 from vlrl.rollout.base import eos_token_ids
 from vlrl.trainer.async_rollout import AsyncRollout, Prefetched
 from vlrl.trainer.checkpoint import CheckpointManager, check_checkpoint, read_state
-from vlrl.trainer.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
 from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, split_prompts
 from vlrl.trainer.loggers import Tracker, logged_history
 from vlrl.trainer.metrics import (
@@ -47,6 +46,7 @@ from vlrl.trainer.metrics import (
 )
 from vlrl.trainer.ranks import Pending, RankRoles
 from vlrl.trainer.scoring import BatchScorer
+from vlrl.utils.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
 from vlrl.workers.rank_worker import check_same_banned_tokens
 
 logger = logging.getLogger(__name__)
@@ -234,14 +234,20 @@ class PPOTrainer:
         batch: RolloutBatch, shards: list[list[int]], kept: bool
     ) -> list[RolloutBatch | KeptRows]:
         """Each rank's update input: when the log-prob pass kept the rows there, just their ids and
-        the advantages [rows, R] (the rest is on the rank); else the whole shard."""
+        the advantages, one float per row where they are one value per response (the outcome
+        estimators), else [rows, R]; the rest is on the rank. Without kept rows, the whole shard."""
         if not kept:
             return [batch.select(rows) for rows in shards]
         advantages = batch.tensor("advantages")
-        return [
-            KeptRows(rows, {"advantages": advantages[torch.as_tensor(rows, dtype=torch.long)]})
-            for rows in shards
-        ]
+        per_row = one_value_per_row(advantages, batch.response_mask)
+        inputs: list[RolloutBatch | KeptRows] = []
+        for rows in shards:
+            index = torch.as_tensor(rows, dtype=torch.long)
+            if per_row is not None:
+                inputs.append(KeptRows(rows, {}, per_row={"advantages": per_row[index]}))
+            else:
+                inputs.append(KeptRows(rows, {"advantages": advantages[index]}))
+        return inputs
 
     def _check_drift(self, metrics: dict[str, float]) -> dict[str, float]:
         """Warn when the engine's log-probs and the actor's disagree (see log_prob_diff_warn)."""
@@ -314,7 +320,7 @@ class PPOTrainer:
             with timer("reward"):
                 return batch, self.scorer.finish(rewards, batch, added)
 
-    def _merge(self, per_rank: list[RolloutBatch]) -> RolloutBatch:
+    def _merge(self, per_rank: Sequence[RolloutBatch | None]) -> RolloutBatch:
         return merge_rollouts(
             per_rank, self.config.worker.rollout.tensor_parallel_size, self.data.pad_token_id
         )

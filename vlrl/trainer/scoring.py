@@ -66,12 +66,12 @@ class BatchScorer:
 
     def stream(
         self, calls: RankStream, shards: list[PromptBatch], tp_size: int, scorer: RewardStream
-    ) -> tuple[list[RolloutBatch], set[int]]:
+    ) -> tuple[list[RolloutBatch | None], set[int]]:
         """Drain the ranks' `generate_stream` calls, adding each finished group to `scorer` at its
         rows in the merged batch (sample j of the shard's prompt p -> (offset + p) * n + j).
 
-        Returns every rank's batch and the rows added (first rank of each tensor-parallel group
-        only: its peers report the same groups)."""
+        Returns every rank's batch (None from the tensor-parallel peers that are not their group's
+        first rank: they report nothing) and the rows added."""
         offsets = prompt_offsets(shards, tp_size)
         batches: dict[int, RolloutBatch] = {}
         added: set[int] = set()
@@ -84,7 +84,7 @@ class BatchScorer:
                     scorer.add(self.group_inputs(shards[rank].select(item.prompt_rows), item.responses), rows)
                     added.update(rows)
             scorer.pump(0.0)
-        return [batches[rank] for rank in range(len(shards))], added
+        return [batches.get(rank) for rank in range(len(shards))], added
 
     def finish(self, scorer: RewardStream, batch: RolloutBatch, added: set[int]) -> dict[str, float]:
         """Score the rows of the merged `batch` nobody streamed, wait for all, apply; the metrics."""

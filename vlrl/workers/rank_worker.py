@@ -17,9 +17,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vlrl.config import PPOConfig
-from vlrl.experience import ExperienceStore
 from vlrl.image_refs import ImageRefs
-from vlrl.protocol import ROW_FIELDS, FinishedGroups, KeptRows, PromptBatch, RolloutBatch
+from vlrl.protocol import (
+    FinishedGroups,
+    KeptRows,
+    PromptBatch,
+    RolloutBatch,
+    spread_over_response,
+)
 from vlrl.rollout.weight_broadcast import WeightBroadcast
 from vlrl.utils.gpu_driver import check_torch_sees_cuda
 from vlrl.utils.library_logs import quiet_library_logs
@@ -32,7 +37,7 @@ if TYPE_CHECKING:
 
 
 class RankWorker:
-    """Wrapped with `ray.remote` by the trainer (see `vlrl.trainer.workers.start_rank_workers`)."""
+    """Wrapped with `ray.remote` by the trainer (`vlrl.trainer.ray_workers.start_rank_groups`)."""
 
     def __init__(
         self,
@@ -69,10 +74,11 @@ class RankWorker:
         self.actor: Actor
         self.rollout: RolloutEngine
         self.reference: Reference | AdapterOffReference | None = None
-        # this step's shard, kept by the log-prob pass for the update (which then gets only the
-        # advantages from the driver); emptied by the update
-        self.experience = ExperienceStore(ROW_FIELDS)
-        self.kept_prompt_length = 0
+        # this step's shard and its log-probs, kept by the log-prob pass for the update (which then
+        # gets only row ids and advantages from the driver): the step's row id of each row, and the
+        # rows. Emptied by the update.
+        self.kept_rows: list[int] = []
+        self.kept: RolloutBatch | None = None
         # under Ray, batches carry image references (vlrl.image_refs); in-process, the images themselves
         self.image_refs = ImageRefs.ray() if _under_ray() else None
         self.broadcast: WeightBroadcast | None = None  # asynchronous mode: training rank 0 and rollout ranks
@@ -115,17 +121,20 @@ class RankWorker:
         )
 
     # ------------------------------------------------------------------------- step phases
-    def generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch:
-        """Sample responses for this rank's prompts (its data-parallel shard)."""
+    def generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch | None:
+        """Sample responses for this rank's prompts (its data-parallel shard); None on a
+        tensor-parallel peer that is not its group's first rank (the first returns the same rows)."""
         *_, batch = self.generate_stream(prompts, overrides)
-        assert isinstance(batch, RolloutBatch)
+        assert batch is None or isinstance(batch, RolloutBatch)
         return batch
 
     def generate_stream(
         self, prompts: PromptBatch, overrides: dict[str, Any] | None = None
-    ) -> Iterator[FinishedGroups | RolloutBatch]:
+    ) -> Iterator[FinishedGroups | RolloutBatch | None]:
         """`generate`, reporting groups as they finish, then the batch (as a Ray streaming
-        generator the driver scores those groups while the rest are still generating).
+        generator the driver scores those groups while the rest are still generating). Only the
+        first rank of a tensor-parallel group reports: its peers run the same engine on the same
+        prompts, and yield None at the end instead of a copy of the rows.
 
         On a hybrid rank the actor's shards leave the GPU first (`worker.actor.offload`) and the
         allocator's cached blocks are released, so the engine can wake into that memory; the engine
@@ -141,7 +150,8 @@ class RankWorker:
                 self.rollout.wake_up()
             for item in self.rollout.generate_stream(prompts, overrides):
                 if isinstance(item, FinishedGroups):
-                    yield item
+                    if self._reports_rollouts():
+                        yield item
                 else:
                     batch = item
             if hybrid:
@@ -149,9 +159,17 @@ class RankWorker:
         finally:
             if hybrid:
                 self.actor.load_to_device()
+        if not self._reports_rollouts():
+            yield None
+            return
         if self.image_refs is not None:  # the driver gets references back (tool images are stored here)
             self.image_refs.refer(batch)
         yield batch
+
+    def _reports_rollouts(self) -> bool:
+        """Whether this rank returns its engine's rollouts: the first rank of its tensor-parallel
+        group (a rollout-only rank has an engine of its own)."""
+        return self.role == "rollout" or self.rank % self.config.worker.rollout.tensor_parallel_size == 0
 
     def release_images(self) -> None:
         """Drop this rank's hold on the step's images (the driver calls it after validation; an
@@ -175,18 +193,16 @@ class RankWorker:
         temperature = self.config.worker.rollout.temperature
         old = self.actor.compute_log_probs(batch, temperature) if with_old else None
         ref = self.reference.compute_log_probs(batch, temperature) if self.reference is not None else None
-        if keep_rows is not None:
+        if keep_rows is not None:  # replaces what a step that failed before its update left
             batch.old_log_probs, batch.ref_log_probs = old, ref
-            self.experience.drop()  # a step that failed before its update leaves nothing behind
-            self.experience.write(keep_rows, **batch.row_values())
-            self.kept_prompt_length = batch.prompt_length
+            self.kept_rows, self.kept = list(keep_rows), batch
         return old, ref
 
     def update(self, batch: RolloutBatch | KeptRows) -> tuple[dict[str, float], torch.Tensor | None]:
         """One PPO update on this rank's shard, then push the new weights to the engine.
 
-        Returns the metrics and the old log-probs [N, R] (computed by the update itself when the
-        batch came without them: `config.on_policy_update`)."""
+        Returns the metrics and, when the batch came without old log-probs
+        (`config.on_policy_update`), those the update computed [N, R]; else None (the driver has them)."""
         if isinstance(batch, KeptRows):
             batch = self._kept_batch(batch)
         else:
@@ -194,21 +210,26 @@ class RankWorker:
         try:
             metrics = self.actor.update_policy(batch, on_policy=self.config.on_policy_update)
         finally:
-            self.experience.drop()
+            self.kept_rows, self.kept = [], None
             self.release_images()
         if self.role == "hybrid":
             metrics.update(self.sync_weights())
-        return metrics, batch.old_log_probs
+        return metrics, batch.old_log_probs if self.config.on_policy_update else None
 
     def _kept_batch(self, kept: KeptRows) -> RolloutBatch:
-        """The shard the log-prob pass kept, in `kept.rows` order, with the driver's new columns.
-        Optional fields that were None then are None again (they were never written)."""
-        filled = self.experience.written_columns(kept.rows)
-        batch = RolloutBatch.from_rows(
-            self.experience.read(kept.rows, filled), prompt_length=self.kept_prompt_length
-        )
+        """The shard the log-prob pass kept, in `kept.rows` order, with the driver's new columns."""
+        position = {row: i for i, row in enumerate(self.kept_rows)}
+        missing = [row for row in kept.rows if row not in position]
+        if self.kept is None or missing:
+            raise RuntimeError(
+                f"rank {self.rank}: the update names rows {missing[:5] or kept.rows[:5]} that this step's "
+                "log-prob pass did not keep here (compute_log_probs must run first, with the same shards)"
+            )
+        batch = self.kept.select([position[row] for row in kept.rows])
         for name, value in kept.columns.items():
             setattr(batch, name, value)
+        for name, value in kept.per_row.items():
+            setattr(batch, name, spread_over_response(value, batch.response_mask))
         return batch
 
     def sync_weights(self) -> dict[str, float]:
@@ -281,19 +302,19 @@ class RankWorker:
 
     def digest_checkpoint_files(self, folder: str) -> dict[str, dict[str, Any]]:
         """This rank's share of a checkpoint's checksums (file i of the sorted list when i % world == rank)."""
-        from vlrl.trainer.checkpoint_files import digest_files
+        from vlrl.utils.checkpoint_files import digest_files
 
         return digest_files(folder, self.rank, self.world_size)
 
     def verify_checkpoint_files(self, folder: str, files: dict[str, dict[str, Any]]) -> list[str]:
         """This rank's share of checking a checkpoint's files against their checksums."""
-        from vlrl.trainer.checkpoint_files import verify_files
+        from vlrl.utils.checkpoint_files import verify_files
 
         return verify_files(folder, files, self.rank, self.world_size)
 
     def probe_shared_path(self, marker: str, token: str) -> tuple[bool, str]:
         """Whether this rank sees the driver's checkpoint folder (`check_shared_filesystem`)."""
-        from vlrl.trainer.checkpoint_files import probe_shared_path
+        from vlrl.utils.checkpoint_files import probe_shared_path
 
         return probe_shared_path(marker, token, self.rank)
 

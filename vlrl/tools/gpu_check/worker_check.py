@@ -98,6 +98,7 @@ def check_rank_worker(ctx: Context, outcome: Outcome) -> None:
         prompts = prompt_batch(model_dir, config.data, config.data.rollout_batch_size, 56, ctx.seed)
         t = time.perf_counter()
         batch = worker.generate(prompts)
+        assert batch is not None  # a world of one: this rank reports its rollouts
         phase("generate", t)
         mask = batch.response_mask
         outcome.details["generated"] = {"rows": len(batch), "response_tokens": int(mask.sum())}
