@@ -112,7 +112,7 @@ class CountingRanks:
 
 
 def quickstart_bytes(after: bool, steps: int = 2) -> dict[str, int]:
-    from vlrl.config_loader import load_config
+    from vlrl.config.loader import load_config
     from vlrl.rewards import RewardRunner
     from vlrl.trainer.data_setup import TrainingData
     from vlrl.trainer.ranks import RankRoles

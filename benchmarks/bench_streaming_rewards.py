@@ -34,7 +34,7 @@ def compute_score(x):
 
 
 def build_trainer(workdir: Path, args: argparse.Namespace):
-    from vlrl.config_loader import load_config
+    from vlrl.config.loader import load_config
     from vlrl.trainer.ray_trainer import build_trainer as build_ray_trainer
 
     reward = workdir / "slow_reward.py"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vlrl.config_loader import load_config
-from vlrl.path_checks import PATH_KEYS, absolute_data, absolute_spec, make_paths_absolute
+from vlrl.config.loader import load_config
+from vlrl.config.paths import PATH_KEYS, absolute_data, absolute_spec, make_paths_absolute
 
 
 @pytest.fixture

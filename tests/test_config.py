@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from vlrl.config import ConfigError
-from vlrl.config_loader import describe, field_docs, load_config
+from vlrl.config.loader import describe, field_docs, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -205,8 +205,8 @@ def no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr("vlrl.path_checks._in_cache", lambda repo, repo_type: False)
-    monkeypatch.setattr("vlrl.path_checks.hub_endpoint", lambda: "http://127.0.0.1:9")
+    monkeypatch.setattr("vlrl.config.paths._in_cache", lambda repo, repo_type: False)
+    monkeypatch.setattr("vlrl.config.paths.hub_endpoint", lambda: "http://127.0.0.1:9")
 
 
 @pytest.mark.parametrize(
@@ -244,7 +244,7 @@ def test_hub_ids_offline_and_cached(base, monkeypatch, no_hub) -> None:
         match=r"data.val_files: 'org/shapes@test' is not a local file and was read as a hub dataset, but .*offline",
     ):
         load_config([*base, "data.val_files=org/shapes@test"])
-    monkeypatch.setattr("vlrl.path_checks._in_cache", lambda repo, repo_type: True)
+    monkeypatch.setattr("vlrl.config.paths._in_cache", lambda repo, repo_type: True)
     load_config(
         [*base, "worker.actor.model.model_path=Qwen/Qwen2.5-VL-3B-Instruct", "data.val_files=org/shapes@test"]
     )

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from vlrl.config import ConfigError, PPOConfig
-from vlrl.config_compat import DELIBERATE_DEFAULTS, startup_notes
-from vlrl.config_loader import given_keys, load_config
+from vlrl.config.easyr1 import DELIBERATE_DEFAULTS, startup_notes
+from vlrl.config.loader import given_keys, load_config
 
 
 def test_every_bad_key_of_file_and_overrides_in_one_error(tmp_path: Path, base: list[str]) -> None:

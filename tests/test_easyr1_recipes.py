@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from vlrl.config import ConfigError
-from vlrl.config_loader import load_config
+from vlrl.config.loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "easyr1"

@@ -3,7 +3,7 @@
 import pytest
 
 from vlrl.config import ConfigError
-from vlrl.config_loader import load_config
+from vlrl.config.loader import load_config
 
 
 def test_lora_rank_loads_with_easyr1_defaults(base: list[str]) -> None:

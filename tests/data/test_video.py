@@ -88,7 +88,7 @@ def test_bad_video_fails_at_startup_naming_file_and_row(tokenizer_processor, mak
 
 def test_video_fps_must_be_positive():
     from vlrl.config import PPOConfig
-    from vlrl.config_checks import check_config
+    from vlrl.config.checks import check_config
 
     config = PPOConfig()
     config.data.video_fps = 0.0

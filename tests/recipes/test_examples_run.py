@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from recipe_runs import REPO, cpu_sizes, given, run_command
 
-from vlrl.config_loader import load_config
+from vlrl.config.loader import load_config
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from vlrl.config import ConfigError, PPOConfig
-from vlrl.config_loader import load_config
+from vlrl.config.loader import load_config
 
 TOOLS = str(Path(__file__).with_name("mt_tools.py"))
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from vlrl.config import ConfigError, MultiTurnConfig
-from vlrl.config_loader import load_config
+from vlrl.config.loader import load_config
 from vlrl.rewards.types import RewardLoadError
 from vlrl.rollout.multi_turn.tool_config import ToolConfigError, read_tool_config, tool_entries
 from vlrl.rollout.multi_turn.tool_pool import ToolPool

@@ -12,7 +12,7 @@ import pytest
 from example_scripts import load_example
 from PIL import Image
 
-from vlrl.config_loader import load_config
+from vlrl.config.loader import load_config
 from vlrl.rewards.loading import load_function
 
 REPO = Path(__file__).resolve().parents[2]

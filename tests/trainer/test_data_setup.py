@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from vlrl.config import ConfigError, PPOConfig
-from vlrl.config_checks import check_data_media
-from vlrl.config_loader import load_config
+from vlrl.config.checks import check_data_media
+from vlrl.config.loader import load_config
 from vlrl.trainer.data_setup import TrainingData
 
 MT_TOOLS = Path(__file__).resolve().parents[1] / "rollout" / "mt_tools.py"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlrl.config_loader import load_config
+from vlrl.config.loader import load_config
 from vlrl.rewards import RewardRunner
 from vlrl.trainer.data_setup import TrainingData
 from vlrl.trainer.metrics import PhaseTimer

@@ -8,7 +8,7 @@
 - `FILE@split` / `FOLDER@split` picks the split (default `train`; a single file only has `train`),
 - several of the above separated by commas,
 - a hub dataset `org/name@split` (split defaults to `train`; needs network access or the local
-  cache); an entry that looks local (see `vlrl.path_checks.looks_local`) is never sent to the hub.
+  cache); an entry that looks local (see `vlrl.config.paths.looks_local`) is never sent to the hub.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vlrl.path_checks import closest_existing, hub_dataset_problem, looks_local
+from vlrl.config.paths import closest_existing, hub_dataset_problem, looks_local
 
 logger = logging.getLogger("vlrl.data")
 
@@ -86,7 +86,7 @@ def _local_split(entry: str) -> tuple[str, str]:
 
 
 def _is_hub_name(entry: str) -> bool:
-    """`org/name[@split]` that is not a local path (vlrl.path_checks rule) and has no data-file extension."""
+    """`org/name[@split]` that is not a local path (vlrl.config.paths rule) and has no data-file extension."""
     name = entry.split("@")[0]
     return (
         bool(_HUB_NAME.match(entry))

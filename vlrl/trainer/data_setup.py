@@ -12,7 +12,7 @@ class TrainingData:
     def __init__(self, config: PPOConfig) -> None:
         from transformers import AutoConfig
 
-        from vlrl.config_checks import check_data_media
+        from vlrl.config.checks import check_data_media
         from vlrl.data import create_dataloaders
         from vlrl.models.processor import load_processor
 

@@ -256,7 +256,7 @@ class Tracker:
                 self.loggers.append(SwanlabLogger(project, experiment, config, folder))
             elif name == "mlflow":
                 self.loggers.append(MlflowLogger(project, experiment, config, folder))
-            else:  # config_checks rejects unknown names at start-up; never drop one silently
+            else:  # vlrl.config.checks rejects unknown names at start-up; never drop one silently
                 raise ValueError(f"unknown logger {name!r}")
 
     def log(self, metrics: dict[str, float], step: int) -> None:

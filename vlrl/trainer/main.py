@@ -25,14 +25,14 @@ SIGTERM_CLEANUP_S = 15.0
 
 def _usage() -> str:
     from vlrl.config import PPOConfig
-    from vlrl.config_loader import describe
+    from vlrl.config.loader import describe
 
     return (__doc__ or "") + "\nConfig keys (defaults):\n  " + "\n  ".join(describe(PPOConfig()))
 
 
 def run(argv: list[str]) -> int:
-    from vlrl.config_compat import startup_notes
-    from vlrl.config_loader import describe, given_keys, load_config
+    from vlrl.config.easyr1 import startup_notes
+    from vlrl.config.loader import describe, given_keys, load_config
 
     if any(arg in ("-h", "--help") for arg in argv):
         print(_usage())
@@ -70,7 +70,7 @@ def run(argv: list[str]) -> int:
 def _train(config: PPOConfig, argv: list[str]) -> list[dict[str, float]]:
     """Build the trainer and train; when a rank worker dies or hangs, start new rank workers and
     resume from this run's latest checkpoint, up to `trainer.max_failures` times. Returns the history."""
-    from vlrl.config_loader import load_config
+    from vlrl.config.loader import load_config
     from vlrl.trainer.deadlines import RankHang
     from vlrl.trainer.ray_trainer import build_trainer
     from vlrl.trainer.ray_workers import WorkerDied

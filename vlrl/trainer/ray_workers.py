@@ -112,7 +112,7 @@ class Placement:
     """Where the ranks go: one bundle per node holding that node's ranks (`n_gpus_per_node`).
 
     Ranks r*n .. r*n+n-1 share bundle r, so every tensor-parallel group (consecutive ranks, and
-    its size divides n: see config_checks) lies on one node. With several nodes the bundles go to
+    its size divides n: see vlrl.config.checks) lies on one node. With several nodes the bundles go to
     distinct nodes (STRICT_SPREAD), matching trainer.nnodes x trainer.n_gpus_per_node; one rank
     per bundle with PACK (the former layout) let Ray split a node's ranks over any nodes."""
 

@@ -4,7 +4,7 @@
 
 Values in overrides are parsed as YAML (`8` is an int, `[a,b]` a list, `{"k": 1}` a dict, `null`
 None). Unknown keys and wrong types raise one `ConfigError` listing every such key, each with the
-nearest valid name. EasyR1's names for vlrl keys are aliases (`vlrl.config_compat.ALIASES`).
+nearest valid name. EasyR1's names for vlrl keys are aliases (`vlrl.config.easyr1.ALIASES`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from vlrl.config import ConfigError, PPOConfig, _Section
-from vlrl.config_compat import reject_not_implemented, resolve_aliases
+from vlrl.config.easyr1 import reject_not_implemented, resolve_aliases
 
 
 def load_config(argv: list[str], finalize: bool = True) -> PPOConfig:

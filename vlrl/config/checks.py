@@ -498,8 +498,8 @@ def _check_numbers(config: PPOConfig) -> list[str]:
 
 def _check_paths(config: PPOConfig) -> list[str]:
     """Model folders / hub ids and data files exist (or are reachable on the hub), in seconds."""
+    from vlrl.config.paths import model_path_problem
     from vlrl.data.sources import DataError, resolve_files
-    from vlrl.path_checks import model_path_problem
 
     model = config.worker.actor.model
     errors = []

@@ -3,12 +3,12 @@
 Key names and most defaults follow EasyR1 so its YAML files and command lines carry over.
 Each field's docstring is the string literal under it (shown by `--help`).
 
-Loading order (see `vlrl.config_loader.load_config`): dataclass defaults, then `config=FILE.yaml`,
+Loading order (see `vlrl.config.loader.load_config`): dataclass defaults, then `config=FILE.yaml`,
 then dotted overrides `a.b.c=value`. Then `PPOConfig.finalize()` computes the derived values (in
 `derive()`, the one place for them), runs every cross-field check (`validate()`) and freezes the tree.
 
 Local paths: `derive()` makes relative local paths absolute against the folder the run was launched
-from (`vlrl.path_checks.make_paths_absolute`, which lists the keys and states the rule): inputs that
+from (`vlrl.config.paths.make_paths_absolute`, which lists the keys and states the rule): inputs that
 exist there, and every output path; hub ids, Jinja strings and missing paths stay as written.
 """
 
@@ -55,7 +55,7 @@ class _Section:
 class DataConfig(_Section):
     train_files: str = ""
     """Training data: a .json/.jsonl/.parquet/.csv file, a folder of them, or `hub_name@split`. Relative
-    paths: from the launch folder (made absolute at start-up, see `vlrl.path_checks`)."""
+    paths: from the launch folder (made absolute at start-up, see `vlrl.config.paths`)."""
     val_files: str = ""
     """Validation data, same forms as `train_files`; empty disables validation."""
     prompt_key: str = "prompt"
@@ -170,7 +170,7 @@ class ModelConfig(_Section):
     model_path: str = ""
     """Hugging Face model folder (or hub name) of the policy. A relative folder that exists in the
     launch folder is made absolute at start-up (Ray ranks run elsewhere); a hub id such as
-    `Qwen/Qwen2.5-VL-7B-Instruct` stays as given (the rule: `vlrl.path_checks`)."""
+    `Qwen/Qwen2.5-VL-7B-Instruct` stays as given (the rule: `vlrl.config.paths`)."""
     tokenizer_path: str | None = None
     """Tokenizer/processor folder; default: `model_path`."""
     override_config: dict[str, Any] = field(default_factory=dict)
@@ -673,9 +673,9 @@ class PPOConfig(_Section):
 
     def _absolute_local_paths(self) -> None:
         """Relative local paths made absolute against the launch folder (the rule:
-        `vlrl.path_checks`): a Ray rank worker runs in its raylet's folder, so `ray start` run
+        `vlrl.config.paths`): a Ray rank worker runs in its raylet's folder, so `ray start` run
         elsewhere (or another node) would read a relative path from there. Each change is logged."""
-        from vlrl.path_checks import make_paths_absolute
+        from vlrl.config.paths import make_paths_absolute
 
         changed = make_paths_absolute(self)
         if changed:
@@ -684,7 +684,7 @@ class PPOConfig(_Section):
 
     def validate(self) -> None:
         """Every cross-field rule, each failure naming the keys and what to change."""
-        from vlrl.config_checks import check_config
+        from vlrl.config.checks import check_config
 
         errors = check_config(self)
         if errors:

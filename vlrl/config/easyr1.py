@@ -1,10 +1,10 @@
 """How vlrl's config tree relates to EasyR1's: aliases, deliberate default differences, and keys
-accepted with no effect here. One table for each; `vlrl.config_loader` applies the aliases and
+accepted with no effect here. One table for each; `vlrl.config.loader` applies the aliases and
 `startup_notes` turns the other two into the lines logged at start-up.
 
 A key of EasyR1's tree is never silently ignored: it is a vlrl key (same name, same meaning), an
 alias below (another name here), listed in `WITHOUT_EFFECT` (logged when set), in `NOT_IMPLEMENTED`
-(a start-up error saying so), or rejected at start-up by `vlrl.config_checks` with a message saying why.
+(a start-up error saying so), or rejected at start-up by `vlrl.config.checks` with a message saying why.
 """
 
 from __future__ import annotations
