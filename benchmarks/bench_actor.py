@@ -27,10 +27,10 @@ import torch.distributed as dist
 from PIL import Image
 from transformers import AutoConfig
 
+from vlrl.batch.rows import RolloutBatch
 from vlrl.config import PPOConfig
 from vlrl.models.processor import load_processor, model_family
 from vlrl.models.rope import continue_position_ids, left_pad_position_ids, mrope_position_ids
-from vlrl.protocol import RolloutBatch
 from vlrl.utils.flops import measured_cpu_peak, peak_flops, training_flops
 from vlrl.workers.actor import Actor
 from vlrl.workers.from_config import build_actor as actor_from_config

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_driver_bytes.py [--skip-quickstart] [--prompts 512] [--n 5]
 
 "before" is the data flow up to session 13: every hop carried the images' pixels, and the update
-got each rank's whole shard again. "after": batches carry image references (`vlrl.image_refs`:
+got each rank's whole shard again. "after": batches carry image references (`vlrl.batch.image_refs`:
 each image goes into Ray's object store once and the rank that consumes it fetches it), and the
 update gets `KeptRows` (row ids + advantages; the rank kept the rest from the log-prob pass).
 
@@ -29,8 +29,8 @@ import ray
 import torch
 from PIL import Image
 
-from vlrl.image_refs import ImageRefs
-from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.batch.image_refs import ImageRefs
+from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.trainer.dispatch import balanced_shards, split_prompts
 from vlrl.trainer.ppo_trainer import PPOTrainer
 

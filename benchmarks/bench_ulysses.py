@@ -30,10 +30,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import vlrl.models.ulysses as ulysses
+from vlrl.batch.rows import RolloutBatch
 from vlrl.config import PPOConfig
 from vlrl.models.processor import load_processor
 from vlrl.models.tiny import build_tiny_model
-from vlrl.protocol import RolloutBatch
 from vlrl.workers.actor import Actor, _UpdateStats
 from vlrl.workers.from_config import build_actor
 

@@ -6,7 +6,7 @@ import pickle
 
 from PIL import Image
 
-from vlrl.image_refs import ImageRef, ImageRefs
+from vlrl.batch.image_refs import ImageRef, ImageRefs
 
 
 class _Store:

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from PIL import Image
 from transformers import AutoConfig
 
+from vlrl.batch.rows import RolloutBatch
 from vlrl.config import PPOConfig
 from vlrl.models.processor import load_processor, model_family
 from vlrl.models.rope import continue_position_ids, left_pad_position_ids, mrope_position_ids
 from vlrl.models.sampling import SamplingDistribution, banned_token_ids
-from vlrl.protocol import RolloutBatch
 
 WORDS = (
     "what",

@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 
 import vlrl.workers.actor as actor_module
 from vlrl.algorithms import compute_kl_loss, compute_policy_loss, count_tokens_and_seqs
+from vlrl.batch.rows import RolloutBatch
 from vlrl.models.loading import load_model
 from vlrl.models.packing import build_padded_inputs, forward_log_probs
 from vlrl.models.processor import load_processor
-from vlrl.protocol import RolloutBatch
 from vlrl.workers.actor import Actor, gathered_grads
 from vlrl.workers.from_config import build_actor
 from vlrl.workers.optim import global_grad_norm

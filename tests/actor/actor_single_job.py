@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from actor_helpers import init_gloo, make_batch, make_config, sampling_for
 
+from vlrl.batch.rows import RolloutBatch
 from vlrl.models.loading import load_model
 from vlrl.models.packing import build_padded_inputs, forward_log_probs
 from vlrl.models.processor import load_processor
-from vlrl.protocol import RolloutBatch
 from vlrl.workers.actor import _UpdateStats, gathered_grads
 from vlrl.workers.from_config import build_actor, build_reference
 from vlrl.workers.optim import lr_factor

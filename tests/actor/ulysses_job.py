@@ -21,11 +21,11 @@ from actor_helpers import init_gloo, make_batch, make_config
 from actor_multirank_job import full_params, max_diff
 
 import vlrl.workers.actor as actor_module
+from vlrl.batch.rows import RolloutBatch
 from vlrl.models.attention import make_varlen_info, varlen_attention_forward
 from vlrl.models.packing import build_packed_inputs
 from vlrl.models.processor import load_processor
 from vlrl.models.ulysses import build_sequence_parallel, token_bounds
-from vlrl.protocol import RolloutBatch
 from vlrl.workers.actor import gathered_grads
 from vlrl.workers.from_config import build_actor
 from vlrl.workers.reference import Reference

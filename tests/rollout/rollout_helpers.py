@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
+from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.config import DataConfig, RolloutConfig
-from vlrl.protocol import PromptBatch, RolloutBatch
 
 # Tiny images: 4-16 merged 28x28 blocks each (qwen3_vl's 32x32 blocks scale the same bounds).
 PIXELS = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16}

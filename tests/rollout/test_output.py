@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vlrl.protocol import PromptBatch
+from vlrl.batch.rows import PromptBatch
 from vlrl.rollout.output import assemble_rollout_batch, response_mask_from_eos
 
 PAD, EOS, EOS2 = 0, 9, 8

@@ -164,7 +164,7 @@ def test_image_content_ids_sample_what_vllms_own_hashing_samples(vl, monkeypatch
 def test_streamed_groups_are_the_batch_rows_and_generate_samples_the_same(vl):
     """`generate_stream` reports every group once, as it finishes, with the final batch's tokens;
     driving the engine step by step samples exactly what one `LLM.generate` call samples."""
-    from vlrl.protocol import FinishedGroups
+    from vlrl.batch.rows import FinishedGroups
     from vlrl.rollout.base import resolve_sampling, seeded_rng
 
     synced(vl)

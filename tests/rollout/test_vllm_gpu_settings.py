@@ -18,8 +18,8 @@ import pytest
 import torch
 from rollout_helpers import rollout_config
 
+from vlrl.batch.rows import FinishedGroups
 from vlrl.config import RolloutConfig
-from vlrl.protocol import FinishedGroups
 from vlrl.rollout import vllm_settings
 from vlrl.rollout.vllm_engine import (
     ROLLOUT_ONLY_GPU_MEMORY_UTILIZATION,

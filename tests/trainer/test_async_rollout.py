@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.trainer.async_rollout import AsyncRollout
 from vlrl.trainer.ranks import Done, RankRoles
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, split_prompts
 
 PAD = 0
@@ -79,7 +79,7 @@ def _scored_batch(rows: int = 12, width: int = 6) -> RolloutBatch:
 def test_outcome_advantages_cross_as_one_float_per_row_and_spread_back_exactly() -> None:
     import pickle
 
-    from vlrl.protocol import spread_over_response
+    from vlrl.batch.rows import spread_over_response
     from vlrl.trainer.ppo_trainer import PPOTrainer
 
     batch, shards = _scored_batch(), [[5, 0, 7, 2, 9, 11], [1, 3, 4, 6, 8, 10]]
@@ -132,7 +132,7 @@ def test_ulysses_groups_get_identical_balanced_shards() -> None:
 def test_streamed_groups_land_on_their_merged_rows() -> None:
     """A group reported by rank r goes to the rows its samples will have in the merged batch:
     (prompts of earlier data-parallel groups + its row in the shard) x n + sample."""
-    from vlrl.protocol import FinishedGroups
+    from vlrl.batch.rows import FinishedGroups
     from vlrl.trainer.scoring import merged_rows, prompt_offsets
 
     shards = split_prompts(_prompts(5), world_size=4, tp_size=2)  # groups of 2 and 3 prompts
@@ -150,7 +150,7 @@ def test_every_tensor_field_has_a_padding_kind() -> None:
     break the concatenation (the multi-round crash: token_level_scores was missed)."""
     from dataclasses import fields
 
-    from vlrl.protocol import PER_ROW_FIELDS, RESPONSE_FIELDS, SEQUENCE_FIELDS
+    from vlrl.batch.rows import PER_ROW_FIELDS, RESPONSE_FIELDS, SEQUENCE_FIELDS
 
     tensors = [f.name for f in fields(RolloutBatch) if "Tensor" in str(f.type)]
     kinds = [*SEQUENCE_FIELDS, *RESPONSE_FIELDS, *PER_ROW_FIELDS]

@@ -1,6 +1,6 @@
 """The driver's generation rounds (EasyR1's `mini_rollout_batch_size` meaning), on the driver alone.
 
-The ranks' `generate` is replaced by a function that returns one response per sample whose reward
+`BatchFiller` gets rounds from a function that returns one response per sample whose reward
 part `acc` is chosen per prompt, so the rounds, filtering and cut-off can be checked exactly; the
 engines themselves are covered by tests/rollout and the whole loop by tests/trainer/test_e2e.py.
 """
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlrl.protocol import RolloutBatch
-from vlrl.trainer.metrics import PhaseTimer
-from vlrl.trainer.ppo_trainer import PPOTrainer
+from vlrl.batch.rows import RolloutBatch
+from vlrl.trainer.ppo_trainer import planned_steps
+from vlrl.trainer.rounds import BatchFiller
 
 
 def _config(rollout: int, mini: int | None, filtering: bool, n: int = 2, key: str = "acc") -> SimpleNamespace:
@@ -49,74 +49,69 @@ class _Prompts:
         return ids
 
 
-def _trainer(config: SimpleNamespace, solved: set[int], parts: str = "acc") -> PPOTrainer:
-    """A trainer whose generation scores prompt p's samples acc = 1 if p in solved, else alternating."""
-    trainer = PPOTrainer.__new__(PPOTrainer)
-    trainer.config = config
-    trainer.global_step = 1
-    trainer.async_rollout = None
-    trainer.data = _Prompts(config.data.mini_rollout_batch_size or config.data.rollout_batch_size)
-    trainer.data.pad_token_id = 0
+def _fill(config: SimpleNamespace, solved: set[int], prompts: _Prompts | None = None) -> tuple:
+    """`BatchFiller.fill` with rounds whose samples score acc = 1 if their prompt is in `solved`, else
+    alternating 0, 1 (a group with both is kept by the filter); the loader `prompts` counts batches."""
     n = config.worker.rollout.n
+    prompts = prompts or _Prompts(config.data.mini_rollout_batch_size or config.data.rollout_batch_size)
 
-    def generate(prompts: list[int], overrides: dict | None = None, round_: int = 0) -> RolloutBatch:
-        rows = len(prompts) * n
-        return RolloutBatch(
+    def draw_round(round_: int) -> tuple[list[int], RolloutBatch, dict[str, float]]:
+        ids = prompts.next_train_batch()
+        rows = len(ids) * n
+        batch = RolloutBatch(
             input_ids=torch.ones(rows, 3, dtype=torch.long), attention_mask=torch.ones(rows, 3, dtype=torch.long),
             position_ids=torch.zeros(rows, 3, dtype=torch.long), responses=torch.ones(rows, 1, dtype=torch.long),
             response_mask=torch.ones(rows, 1, dtype=torch.long),
-            group_ids=torch.tensor([p for p in prompts for _ in range(n)]), prompt_length=2,
-            images=[[] for _ in range(rows)], prompts=[str(p) for p in prompts for _ in range(n)],
+            group_ids=torch.tensor([p for p in ids for _ in range(n)]), prompt_length=2,
+            images=[[] for _ in range(rows)], prompts=[str(p) for p in ids for _ in range(n)],
             ground_truths=[""] * rows, extras=[{} for _ in range(rows)],
+            reward_parts=[{"overall": 0.0, "acc": 1.0 if p in solved else float(i % 2)}
+                          for i, p in enumerate(p for p in ids for _ in range(n))],
         )  # fmt: skip
+        return ids, batch, {"reward/overall": float(round_)}
 
-    def score(batch: RolloutBatch) -> dict[str, float]:
-        ids = [int(p) for p in batch.prompts]
-        batch.reward_parts = [
-            {"overall": 0.0, parts: 1.0 if p in solved else float(i % 2)} for i, p in enumerate(ids)
-        ]
-        return {}
-
-    trainer._generate = generate  # type: ignore[method-assign]
-    trainer._score = score  # type: ignore[method-assign]
-    return trainer
+    filler = BatchFiller(
+        config.data.rollout_batch_size, n, config.algorithm, config.trainer.max_try_make_batch, 0
+    )
+    return filler.fill(draw_round)
 
 
 def test_without_mini_one_round_of_the_whole_batch() -> None:
-    trainer = _trainer(_config(rollout=8, mini=None, filtering=False), solved=set())
-    batch, baselines, _ = trainer._generate_scored_batch(PhaseTimer())
-    assert len(batch) == 16 and trainer.data.batches == 1 and baselines is None
+    prompts = _Prompts(8)
+    batch, baselines, metrics = _fill(_config(rollout=8, mini=None, filtering=False), set(), prompts)
+    assert len(batch) == 16 and prompts.batches == 1 and baselines is None
+    assert metrics == {"reward/overall": 0.0}  # the first round's metrics
 
 
 def test_mini_batches_fill_the_step_without_filtering() -> None:
-    trainer = _trainer(_config(rollout=8, mini=2, filtering=False), solved=set())
-    batch, _, _ = trainer._generate_scored_batch(PhaseTimer())
-    assert trainer.data.batches == 4 and len(batch) == 16
+    prompts = _Prompts(2)
+    batch, _, metrics = _fill(_config(rollout=8, mini=2, filtering=False), set(), prompts)
+    assert prompts.batches == 4 and len(batch) == 16 and metrics == {"reward/overall": 0.0}
     assert sorted({int(p) for p in batch.prompts}) == list(range(8))
     assert len(set(batch.group_ids.tolist())) == 8
 
 
 def test_online_filtering_draws_mini_batches_until_full_and_cuts_the_excess() -> None:
     # prompts 0..5 are solved (all-equal rewards, dropped); from 6 on every group is kept
-    trainer = _trainer(_config(rollout=4, mini=4, filtering=True), solved=set(range(6)))
-    batch, _, metrics = trainer._generate_scored_batch(PhaseTimer())
+    prompts = _Prompts(4)
+    batch, _, metrics = _fill(_config(rollout=4, mini=4, filtering=True), set(range(6)), prompts)
     # round 1: prompts 0-3 all dropped; round 2: 4,5 dropped, 6,7 kept; round 3: 8,9 fill the batch, 10,11 cut
-    assert trainer.data.batches == 3 and metrics["filter/tries"] == 3.0
+    assert prompts.batches == 3 and metrics["filter/tries"] == 3.0 and metrics["reward/overall"] == 0.0
     assert [int(p) for p in batch.prompts[::2]] == [6, 7, 8, 9]
 
 
 def test_a_filter_key_the_reward_does_not_return_fails_at_once() -> None:
-    trainer = _trainer(_config(rollout=4, mini=None, filtering=True, key="accuracy_normalized"), solved=set())
     with pytest.raises(ValueError, match=r"filter_key='accuracy_normalized'.*returned \['acc', 'overall'\]"):
-        trainer._generate_scored_batch(PhaseTimer())
+        _fill(_config(rollout=4, mini=None, filtering=True, key="accuracy_normalized"), set())
 
 
 def test_too_many_rounds_is_an_error() -> None:
     config = _config(rollout=4, mini=2, filtering=True)
     config.trainer.max_try_make_batch = 3
-    trainer = _trainer(config, solved=set(range(1000)))
+    prompts = _Prompts(2)
     with pytest.raises(RuntimeError, match="kept 0 of 4 groups after 3 generation rounds"):
-        trainer._generate_scored_batch(PhaseTimer())
+        _fill(config, set(range(1000)), prompts)
+    assert prompts.batches == 3
 
 
 @pytest.mark.parametrize(
@@ -127,7 +122,4 @@ def test_total_steps_as_easyr1_counts_them(mini: int | None, max_steps: int | No
     """32 prompts, 8 per step, 3 epochs; max_steps wins even past the epochs (the data repeats)."""
     config = _config(rollout=8, mini=mini, filtering=False)
     config.trainer.max_steps, config.trainer.total_epochs = max_steps, 3
-    trainer = PPOTrainer.__new__(PPOTrainer)
-    trainer.config = config
-    trainer.data = SimpleNamespace(train_loader=[None] * (32 // (mini or 8)))
-    assert trainer._total_steps() == expected
+    assert planned_steps(config, [None] * (32 // (mini or 8))) == expected

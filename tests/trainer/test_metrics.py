@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vlrl.protocol import RolloutBatch
+from vlrl.batch.rows import RolloutBatch
 from vlrl.trainer.metrics import batch_metrics, drift_warning
 
 

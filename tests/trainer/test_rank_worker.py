@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlrl.protocol import FinishedGroups, RolloutBatch
+from vlrl.batch.rows import FinishedGroups, RolloutBatch
 from vlrl.workers.rank_worker import RankWorker
 
 BATCH = RolloutBatch.__new__(RolloutBatch)  # stands for the shard's batch (only passed along)
@@ -101,7 +101,7 @@ def test_gpu_process_group_has_a_cpu_backend_for_fsdp_cpu_offload() -> None:
 
 
 def test_update_reads_the_kept_rows_in_the_drivers_order_and_spreads_per_row_advantages() -> None:
-    from vlrl.protocol import KeptRows
+    from vlrl.batch.rows import KeptRows
 
     worker = _worker([], "cpu")
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])

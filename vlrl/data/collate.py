@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from vlrl.batch.rows import PromptBatch
 from vlrl.models.rope import left_pad_position_ids
-from vlrl.protocol import PromptBatch
 
 
 @dataclass

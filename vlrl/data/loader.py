@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from vlrl.batch.rows import PromptBatch
 from vlrl.data.collate import collate_prompts
 from vlrl.data.sources import DataError
-from vlrl.protocol import PromptBatch
 
 
 class StatefulPromptLoader:

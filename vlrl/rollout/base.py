@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from vlrl.batch.rows import FinishedGroups, PromptBatch, RolloutBatch
 from vlrl.models.sampling import VISION_TOKENS, banned_token_ids  # noqa: F401 (engines' ban list)
-from vlrl.protocol import FinishedGroups, PromptBatch, RolloutBatch
 from vlrl.rollout.sampling_keys import SAMPLING_KEYS
 from vlrl.rollout.weight_sync import SyncStats, bucketize
 

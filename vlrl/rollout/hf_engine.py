@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.rollout.base import (
     RolloutEngine,
     SamplingSettings,

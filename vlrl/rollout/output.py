@@ -10,8 +10,8 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.models.rope import continue_position_ids
-from vlrl.protocol import PromptBatch, RolloutBatch
 
 
 def pad_responses(responses: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

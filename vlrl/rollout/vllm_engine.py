@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from vlrl.batch.rows import FinishedGroups, PromptBatch, RolloutBatch
 from vlrl.models.moe import check_engine_config as check_moe_config
-from vlrl.protocol import FinishedGroups, PromptBatch, RolloutBatch
 from vlrl.rollout import vllm_hooks, vllm_settings
 from vlrl.rollout.base import (
     NoWeightsError,

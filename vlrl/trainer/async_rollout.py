@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.trainer.ranks import Pending, RankRoles
 
 PREFETCHED = "prefetched.pt"

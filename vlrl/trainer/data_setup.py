@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vlrl.batch.rows import PromptBatch
 from vlrl.config import ConfigError, PPOConfig
-from vlrl.protocol import PromptBatch
 
 
 class TrainingData:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlrl.protocol import RESPONSE_FIELDS, SEQUENCE_FIELDS, TOKEN_ID_FIELDS, PromptBatch, RolloutBatch
+from vlrl.batch.rows import RESPONSE_FIELDS, SEQUENCE_FIELDS, TOKEN_ID_FIELDS, PromptBatch, RolloutBatch
 
 
 def split_prompts(prompts: PromptBatch, world_size: int, tp_size: int) -> list[PromptBatch]:
@@ -40,7 +40,7 @@ def merge_rollouts(per_rank: Sequence[RolloutBatch | None], tp_size: int, pad_to
 
 def _pad_rollout(batch: RolloutBatch, width_p: int, width_r: int, pad_id: int) -> RolloutBatch:
     """Left-pad the prompt part to `width_p` and right-pad the response part to `width_r`, in every
-    tensor field (by its kind in `vlrl.protocol`: [..., P + R] or [N, R])."""
+    tensor field (by its kind in `vlrl.batch.rows`: [..., P + R] or [N, R])."""
     left, right = width_p - batch.prompt_length, width_r - batch.responses.shape[1]
     if left == 0 and right == 0:
         return batch

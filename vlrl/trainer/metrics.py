@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from vlrl.protocol import RolloutBatch
+from vlrl.batch.rows import RolloutBatch
 
 
 class PhaseTimer:

@@ -19,18 +19,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from vlrl.algorithms import apply_kl_penalty, compute_advantages, filter_groups, make_kl_controller
+from vlrl.algorithms import apply_kl_penalty, compute_advantages, make_kl_controller
 from vlrl.algorithms.importance import truncated_importance_weighting
+from vlrl.batch.image_refs import ImageRefs
+from vlrl.batch.rows import KeptRows, PromptBatch, RolloutBatch, one_value_per_row
 from vlrl.config import PPOConfig
-from vlrl.image_refs import ImageRefs
 from vlrl.models.sampling import truncation_warning
-from vlrl.protocol import KeptRows, PromptBatch, RolloutBatch, one_value_per_row
 from vlrl.rollout.base import eos_token_ids
 from vlrl.trainer.async_rollout import AsyncRollout, Prefetched
 from vlrl.trainer.checkpoint import CheckpointManager, check_checkpoint, read_state
@@ -45,6 +45,7 @@ from vlrl.trainer.metrics import (
     throughput_metrics,
 )
 from vlrl.trainer.ranks import Pending, RankRoles
+from vlrl.trainer.rounds import BatchFiller
 from vlrl.trainer.scoring import BatchScorer
 from vlrl.utils.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
 from vlrl.workers.rank_worker import check_same_banned_tokens
@@ -67,7 +68,7 @@ class PPOTrainer:
         checkpoints: CheckpointManager | None = None,
     ) -> None:
         self.config = config
-        self.image_refs = image_refs  # batches carry image references, not pixels (vlrl.image_refs)
+        self.image_refs = image_refs  # batches carry image references, not pixels (vlrl.batch.image_refs)
         self.data = data
         self.tokenizer = data.tokenizer
         self.scorer = BatchScorer(
@@ -85,7 +86,7 @@ class PPOTrainer:
         self.tracker = Tracker(config.trainer.logger, config.trainer.project_name, config.trainer.experiment_name,
                                self.run_dir, config.to_dict())  # fmt: skip
         self.global_step = 0
-        self.total_steps = self._total_steps()
+        self.total_steps = planned_steps(config, data.train_loader)
         self.checkpoints.check_no_collisions(self._save_steps())
         self.history: list[dict[str, float]] = []  # per-step metrics, for the summary and the plot
         self.drift_steps = 0  # steps whose engine/actor log-prob gap exceeded log_prob_diff_warn
@@ -99,6 +100,10 @@ class PPOTrainer:
             lambda *probe: self.ranks.call_all("probe_shared_path", *probe),
         )
         self.async_rollout = self._setup_ranks()
+        self.filler = BatchFiller(
+            config.data.rollout_batch_size, config.worker.rollout.n, algo, config.trainer.max_try_make_batch,
+            data.pad_token_id,
+        )  # fmt: skip
 
     def _setup_ranks(self) -> AsyncRollout | None:
         """Load the models and engines (both roles at once in asynchronous mode, which then also
@@ -116,16 +121,6 @@ class PPOTrainer:
         flow = AsyncRollout(self.roles, self.config.worker.rollout.max_staleness)
         flow.connect(lambda: self.ranks.call_all("free_address")[0])
         return flow
-
-    def _total_steps(self) -> int:
-        """`trainer.max_steps` when set (epochs then repeat as needed, as in EasyR1), else batches
-        of `rollout_batch_size` prompts per epoch x `total_epochs` (the loader's batches are
-        `mini_rollout_batch_size` prompts when that is set)."""
-        data, trainer = self.config.data, self.config.trainer
-        if trainer.max_steps is not None:
-            return trainer.max_steps
-        per_batch = data.mini_rollout_batch_size or data.rollout_batch_size
-        return len(self.data.train_loader) * per_batch // data.rollout_batch_size * trainer.total_epochs
 
     def _save_steps(self) -> list[int]:
         """Steps this run saves a checkpoint at: every `save_freq`, and the last."""
@@ -328,58 +323,26 @@ class PPOTrainer:
     def _generate_scored_batch(
         self, timer: PhaseTimer
     ) -> tuple[RolloutBatch, torch.Tensor | None, dict[str, float]]:
-        """Draw loader batches (of `mini_rollout_batch_size` prompts when set), generate and score
-        them, and (online filtering) drop groups at a reward bound, until `rollout_batch_size`
-        groups are kept; the excess is cut off. Returns the batch, the ReMax baselines [N] (None
-        for other estimators) and the metrics."""
-        algo, trainer = self.config.algorithm, self.config.trainer
-        kept: list[RolloutBatch] = []
-        baselines: list[torch.Tensor] = []
-        n_groups, tries = 0, 0
-        metrics: dict[str, float] = {}
-        target = self.config.data.rollout_batch_size
-        while True:
-            tries += 1
-            if tries == 1 and self.async_rollout is not None:
-                with timer("gen"):
-                    prompts, batch, async_metrics = self._take_prefetched(self.async_rollout)
-                    metrics.update(async_metrics)
-                with timer("reward"):
-                    reward_metrics = self._score(batch)
-            else:
-                prompts = self.data.next_train_batch()
-                batch, reward_metrics = self._generate_and_score(prompts, round_=tries - 1, timer=timer)
-            if not kept:
-                metrics.update(reward_metrics)  # rewards before filtering: what the policy does
-            keep = torch.ones(len(batch), dtype=torch.bool)
-            if algo.online_filtering:
-                keep = filter_groups(
-                    self._filter_values(batch), batch.group_ids, algo.filter_low, algo.filter_high
-                )
-                metrics["filter/kept_ratio"] = keep.float().mean().item()
-            if algo.adv_estimator == "remax":
-                baselines.append(self._remax_baselines(prompts, batch, tries - 1)[keep])
-            # group ids are unique within a round; rounds may repeat a prompt (a new epoch)
-            batch.group_ids = batch.group_ids + ((tries - 1) << 40)
-            kept.append(batch.select(keep) if not bool(keep.all()) else batch)
-            n_groups += len(set(batch.group_ids[keep].tolist()))
-            if n_groups >= target:
-                break
-            if 0 <= trainer.max_try_make_batch <= tries:
-                raise RuntimeError(
-                    f"kept {n_groups} of {target} groups after {tries} generation rounds "
-                    "(trainer.max_try_make_batch); with online filtering most groups have all-equal "
-                    "rewards: widen algorithm.filter_low/filter_high, raise max_try_make_batch, or turn "
-                    "online_filtering off"
-                )
-        if algo.online_filtering:
-            metrics["filter/tries"] = float(tries)
-        size = target * self.config.worker.rollout.n
-        merged = kept[0] if len(kept) == 1 else merge_rollouts(kept, 1, self.data.pad_token_id)
-        if len(merged) > size:
-            merged = merged.select(list(range(size)))
-        baseline = torch.cat(baselines)[:size] if baselines else None
-        return merged, baseline, metrics
+        """Generation rounds until the batch holds `rollout_batch_size` groups (`BatchFiller`):
+        the batch, the ReMax baselines [N] (None for other estimators) and the metrics."""
+        remax = self._remax_baselines if self.config.algorithm.adv_estimator == "remax" else None
+        return self.filler.fill(lambda round_: self._draw_round(round_, timer), remax)
+
+    def _draw_round(
+        self, round_: int, timer: PhaseTimer
+    ) -> tuple[PromptBatch, RolloutBatch, dict[str, float]]:
+        """One generation round, scored: a loader batch (of `mini_rollout_batch_size` prompts when
+        set) generated now, or in asynchronous mode, for the first round, the batch generated
+        during the last step."""
+        if round_ > 0 or self.async_rollout is None:
+            prompts = self.data.next_train_batch()
+            batch, metrics = self._generate_and_score(prompts, round_=round_, timer=timer)
+            return prompts, batch, metrics
+        with timer("gen"):
+            prompts, batch, metrics = self._take_prefetched(self.async_rollout)
+        with timer("reward"):
+            metrics.update(self._score(batch))
+        return prompts, batch, metrics
 
     def _take_prefetched(self, flow: AsyncRollout) -> tuple[PromptBatch, RolloutBatch, dict[str, float]]:
         """Asynchronous mode, the step's first generation round: the one submitted during the last
@@ -401,18 +364,6 @@ class PPOTrainer:
             step, prompts_next = self.global_step + 1, self.data.next_train_batch()
             flow.submit(step, prompts_next, self._submit_generate(prompts_next, step=step), self._merge)
         return ahead.prompts, batch, metrics
-
-    def _filter_values(self, batch: RolloutBatch) -> torch.Tensor:
-        """Each sample's `algorithm.filter_key` reward part; an error naming the parts the reward
-        function returns when it has no such part (instead of filtering every group out)."""
-        key, scored = self.config.algorithm.filter_key, batch.scored_parts()
-        missing = [i for i, parts in enumerate(scored) if key not in parts]
-        if missing:
-            raise ValueError(
-                f"algorithm.filter_key={key!r}: the reward function returned no {key!r} score (it returned "
-                f"{sorted(scored[missing[0]])}); set algorithm.filter_key to one of them"
-            )
-        return torch.tensor([float(parts[key]) for parts in scored])
 
     def _score(self, batch: RolloutBatch) -> dict[str, float]:
         """Decode, score in the reward workers, and put the score on each response's last token."""
@@ -527,6 +478,17 @@ class PPOTrainer:
         self.rewards.close()
         self.roles.shutdown()
         self.checkpoints.close()
+
+
+def planned_steps(config: PPOConfig, train_loader: Sized) -> int:
+    """Steps of the run: `trainer.max_steps` when set (epochs then repeat as needed, as in EasyR1),
+    else batches of `rollout_batch_size` prompts per epoch x `total_epochs`; the training loader
+    has a batch of `mini_rollout_batch_size` prompts when that is set."""
+    data, trainer = config.data, config.trainer
+    if trainer.max_steps is not None:
+        return trainer.max_steps
+    per_batch = data.mini_rollout_batch_size or data.rollout_batch_size
+    return len(train_loader) * per_batch // data.rollout_batch_size * trainer.total_epochs
 
 
 def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from vlrl.batch.image_refs import ImageRefs
 from vlrl.config import PPOConfig
-from vlrl.image_refs import ImageRefs
 from vlrl.rewards import RewardRunner
 from vlrl.trainer.checkpoint import CheckpointManager
 from vlrl.trainer.data_setup import TrainingData

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vlrl.protocol import FinishedGroups, PromptBatch, RolloutBatch
+from vlrl.batch.rows import FinishedGroups, PromptBatch, RolloutBatch
 from vlrl.rewards import RewardInput, RewardResult, build_reward_inputs, scores_to_token_level
 from vlrl.rewards.runner import RewardStream
 from vlrl.rollout.output import assemble_rollout_batch

@@ -38,11 +38,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from vlrl.algorithms import aggregate_loss, compute_kl_loss, compute_policy_loss, count_tokens_and_seqs
+from vlrl.batch.rows import RolloutBatch
 from vlrl.config import ActorConfig, AlgorithmConfig
 from vlrl.models.loading import model_class
 from vlrl.models.lora import ADAPTER, lora_scaling_of, merged_named_tensors
 from vlrl.models.moe import write_checkpoint_layout
-from vlrl.protocol import RolloutBatch
 from vlrl.utils.flops import peak_flops, training_flops
 from vlrl.workers.checkpoint_io import (
     SafeFileSystemReader,

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlrl.config import PPOConfig
-from vlrl.image_refs import ImageRefs
-from vlrl.protocol import (
+from vlrl.batch.image_refs import ImageRefs
+from vlrl.batch.rows import (
     FinishedGroups,
     KeptRows,
     PromptBatch,
     RolloutBatch,
     spread_over_response,
 )
+from vlrl.config import PPOConfig
 from vlrl.rollout.weight_broadcast import WeightBroadcast
 from vlrl.utils.gpu_driver import check_torch_sees_cuda
 from vlrl.utils.library_logs import quiet_library_logs
@@ -79,7 +79,7 @@ class RankWorker:
         # rows. Emptied by the update.
         self.kept_rows: list[int] = []
         self.kept: RolloutBatch | None = None
-        # under Ray, batches carry image references (vlrl.image_refs); in-process, the images themselves
+        # under Ray, batches carry image references (vlrl.batch.image_refs); in-process, the images themselves
         self.image_refs = ImageRefs.ray() if _under_ray() else None
         self.broadcast: WeightBroadcast | None = None  # asynchronous mode: training rank 0 and rollout ranks
 

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vlrl.batch.rows import RolloutBatch
 from vlrl.config import RefConfig
-from vlrl.protocol import RolloutBatch
 from vlrl.workers.fsdp import move_params
 from vlrl.workers.sharded_model import ShardedModel, ShardSpec
 from vlrl.workers.vision import VisionCache

@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from vlrl.batch.rows import RolloutBatch
 from vlrl.config import ActorConfig, FSDPConfig, ModelConfig
 from vlrl.models.loading import is_vision_model, load_model
 from vlrl.models.lora import apply_lora
 from vlrl.models.packing import LogProbOutput, build_packed_inputs, build_padded_inputs, forward_log_probs
 from vlrl.models.sampling import SamplingDistribution, banned_token_ids
 from vlrl.models.ulysses import build_sequence_parallel, head_errors
-from vlrl.protocol import RolloutBatch
 from vlrl.workers.balance import count_micro_batches, micro_batches_by_tokens
 from vlrl.workers.fsdp import (
     apply_fsdp,

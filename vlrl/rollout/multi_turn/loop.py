@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.rollout.multi_turn.parsing import CALL_END, ToolCall, parse_tool_call
 from vlrl.rollout.multi_turn.rendering import TurnEncoder, TurnRenderer
 from vlrl.rollout.multi_turn.shared_tools import SharedTools, TPGroup

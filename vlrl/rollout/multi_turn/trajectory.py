@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vlrl.protocol import PromptBatch, RolloutBatch
+from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.rollout.output import pad_log_probs, pad_responses
 
 STOP_REASONS = ("eos", "length", "overflow", "turn_limit")

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.config import PPOConfig
-from vlrl.protocol import PromptBatch, RolloutBatch
 
 WORDS = "what colour is the shape how many circles are there answer one word".split()
 

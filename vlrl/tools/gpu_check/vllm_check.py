@@ -54,8 +54,8 @@ def _free_mib(device: torch.device) -> float | None:
 
 
 def check_vllm_engine(ctx: Context, outcome: Outcome) -> None:
+    from vlrl.batch.rows import FinishedGroups
     from vlrl.models.loading import load_model
-    from vlrl.protocol import FinishedGroups
     from vlrl.rollout import sync_weights
 
     if importlib.util.find_spec("vllm") is None:
