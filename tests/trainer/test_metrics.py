@@ -40,3 +40,16 @@ def test_log_prob_diff_covers_response_tokens_only_and_warns_above_the_limit():
     assert message is not None and "0.0800" in message and "log_prob_diff_warn=0.05" in message
     assert drift_warning(metrics, limit=0.1) is None
     assert drift_warning({}, limit=0.05) is None  # no engine log-probs: nothing to compare
+
+
+def test_signal_watch_warns_every_tenth_step_in_a_row_without_advantages() -> None:
+    """A collapsed policy (every reward 0, every advantage 0) once trained on silently for 57 steps."""
+    from vlrl.trainer.metrics import SignalWatch
+
+    watch, zero, some = SignalWatch(warn_every=10), torch.zeros(4, 3), torch.tensor([[0.0, 0.5], [-0.5, 0.0]])
+    step_metrics = {"reward/overall": 0.0, "actor/entropy": 6.404}
+    warnings = [watch.update(zero, step_metrics) for _ in range(25)]
+    assert [i + 1 for i, w in enumerate(warnings) if w] == [10, 20] and watch.in_a_row == 25
+    assert "10 steps in a row without a learning signal" in warnings[9]
+    assert "mean reward 0.000, actor entropy 6.404" in warnings[9]
+    assert watch.update(some, step_metrics) is None and watch.in_a_row == 0  # a signal resets the count

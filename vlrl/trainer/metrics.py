@@ -97,6 +97,33 @@ def drift_warning(metrics: dict[str, float], limit: float) -> str | None:
     )
 
 
+class SignalWatch:
+    """Counts the steps in a row whose advantages are all zero: every group's rewards were equal
+    (and no KL in the reward), so the update has nothing to learn from. A run stuck there (a policy
+    that collapsed to one answer or to noise, a reward that always returns the same value) would
+    otherwise go on silently to its last step; every `warn_every`-th such step in a row is logged."""
+
+    def __init__(self, warn_every: int = 10) -> None:
+        self.warn_every, self.in_a_row = warn_every, 0
+
+    def update(self, advantages: torch.Tensor, metrics: dict[str, float]) -> str | None:
+        """After a step's advantages [N, R]: the warning to log, or None."""
+        if bool(advantages.abs().max() > 0) if advantages.numel() else False:
+            self.in_a_row = 0
+            return None
+        self.in_a_row += 1
+        if self.in_a_row % self.warn_every:
+            return None
+        entropy = metrics.get("actor/entropy")
+        return (
+            f"{self.in_a_row} steps in a row without a learning signal: in every group all samples got the "
+            f"same reward (mean reward {metrics.get('reward/overall', float('nan')):.3f}"
+            + (f", actor entropy {entropy:.3f}" if entropy is not None else "")
+            + "), so every advantage is 0 and the updates change nothing; look at a few responses and their "
+            "rewards (trainer.val_generations_to_log), and at whether the policy collapsed (actor/entropy)"
+        )
+
+
 def throughput_metrics(batch: RolloutBatch, step_seconds: float, world_size: int) -> dict[str, float]:
     tokens = batch.attention_mask.sum().item()
     return {

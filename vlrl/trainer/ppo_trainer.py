@@ -38,6 +38,7 @@ from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, 
 from vlrl.trainer.loggers import Tracker, logged_history
 from vlrl.trainer.metrics import (
     PhaseTimer,
+    SignalWatch,
     batch_metrics,
     drift_warning,
     mean_reward_parts,
@@ -90,6 +91,7 @@ class PPOTrainer:
         self.checkpoints.check_no_collisions(self._save_steps())
         self.history: list[dict[str, float]] = []  # per-step metrics, for the summary and the plot
         self.drift_steps = 0  # steps whose engine/actor log-prob gap exceeded log_prob_diff_warn
+        self.signal = SignalWatch()  # steps in a row with all-zero advantages
         warning = truncation_warning(config.worker.rollout.top_p, config.worker.rollout.top_k)
         if warning:
             logger.warning(warning)
@@ -219,6 +221,10 @@ class PPOTrainer:
             self.image_refs.clear()  # the ranks' updates released theirs
         metrics.update(batch_metrics(batch, self.config.data.max_response_length))
         metrics.update(self._check_drift(metrics))
+        stalled = self.signal.update(batch.tensor("advantages"), metrics)
+        if stalled is not None:
+            logger.warning("step %d: %s", self.global_step, stalled)
+        metrics["training/steps_without_signal"] = float(self.signal.in_a_row)
         metrics.update(timer.metrics())
         metrics.update(throughput_metrics(batch, timer.seconds["step"], self.config.world_size))
         metrics["training/epoch"] = float(self.data.epoch)
