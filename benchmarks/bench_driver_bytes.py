@@ -64,17 +64,22 @@ def synthetic_step(prompts: int, n: int) -> tuple[PromptBatch, RolloutBatch]:
     return prompt_batch, rollout
 
 
-def synthetic_bytes(prompts: PromptBatch, batch: RolloutBatch, world: int, refs: bool) -> dict[str, int]:
-    """Serialised bytes of each phase's arguments and results for one step over `world` ranks."""
+def synthetic_bytes(
+    prompts: PromptBatch, batch: RolloutBatch, world: int, refs: bool, tp: int = 1
+) -> dict[str, int]:
+    """Serialised bytes of each phase's arguments and results for one step over `world` ranks with
+    engines of `tp` ranks. "before" (not `refs`): every rank of an engine returned its rollouts;
+    "after": only the engine's first rank does (its peers return None)."""
     out: dict[str, int] = defaultdict(int)
     if refs:
         store = ImageRefs.ray()
         prompts.images = store.to_refs(prompts.images)
         batch.images = store.to_refs(batch.images)  # what the ranks hand back: the same references
-    per_rank = len(batch) // world
-    out["generate"] += sum(nbytes(s) for s in split_prompts(prompts, world, 1))
-    out["generate"] += sum(
-        nbytes(batch.select(list(range(i * per_rank, (i + 1) * per_rank)))) for i in range(world)
+    per_rank, per_engine = len(batch) // world, len(batch) // (world // tp)
+    out["generate"] += sum(nbytes(s) for s in split_prompts(prompts, world, tp))
+    copies = 1 if refs else tp  # results per engine
+    out["generate"] += copies * sum(
+        nbytes(batch.select(list(range(i * per_engine, (i + 1) * per_engine)))) for i in range(world // tp)
     )
     batch.token_level_scores = torch.zeros(batch.responses.shape)
     batch.reward_parts = [{"overall": 1.0}] * len(batch)
@@ -147,11 +152,11 @@ def quickstart_bytes(after: bool, steps: int = 2) -> dict[str, int]:
 
 
 def table(title: str, before: dict[str, int], after: dict[str, int]) -> None:
-    print(f"\n{title}\n{'phase':<20}{'before MB':>12}{'after MB':>12}{'ratio':>9}")
+    print(f"\n{title}\n{'phase':<20}{'before MB':>12}{'after MB':>12}{'ratio':>11}")
     for phase in (*PHASES, "total"):
         b = sum(before.values()) if phase == "total" else before.get(phase, 0)
         a = sum(after.values()) if phase == "total" else after.get(phase, 0)
-        print(f"{phase:<20}{b / 1e6:>12.2f}{a / 1e6:>12.3f}{(b / a if a else float('inf')):>8.1f}x")
+        print(f"{phase:<20}{b / 1e6:>12.2f}{a / 1e6:>12.3f}{(b / a if a else float('inf')):>10.1f}x")
 
 
 def main() -> None:
@@ -160,14 +165,15 @@ def main() -> None:
     )
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--n", type=int, default=5)
+    parser.add_argument("--tp", type=int, default=1, help="ranks per engine (tensor parallelism)")
     parser.add_argument("--skip-quickstart", action="store_true")
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     prompts, batch = synthetic_step(args.prompts, args.n)
-    before = synthetic_bytes(prompts, batch, 8, refs=False)
-    after = synthetic_bytes(prompts, batch, 8, refs=True)
+    before = synthetic_bytes(prompts, batch, 8, refs=False, tp=args.tp)
+    after = synthetic_bytes(prompts, batch, 8, refs=True, tp=args.tp)
     table(
-        f"geo3k-sized step ({args.prompts} prompts x {args.n}, 8 ranks): bytes through the driver",
+        f"geo3k-sized step ({args.prompts} prompts x {args.n}, 8 ranks, TP {args.tp}): bytes through the driver",
         before,
         after,
     )
