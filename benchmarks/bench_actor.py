@@ -8,7 +8,7 @@ response lengths drawn from a long-tailed distribution up to --max-response) is 
 `Actor.update_policy` in each mode; every mode sees the same batch and the same micro-batch size.
 Tokens/s counts real (non-padding) prompt + response tokens; the modes' updates are interleaved
 and the median reported, because these CPUs are shared (use --threads 1 for stable numbers). MFU counts the decoder's model FLOPs
-of the real tokens (vlrl.utils.flops: vision tower not counted) against the peak: on CPU a
+of the real tokens (vlrl.models.flops: vision tower not counted) against the peak: on CPU a
 measured fp32 matmul rate of this process, on GPU the bf16 table value.
 """
 
@@ -29,9 +29,9 @@ from transformers import AutoConfig
 
 from vlrl.batch.rows import RolloutBatch
 from vlrl.config import PPOConfig
+from vlrl.models.flops import measured_cpu_peak, peak_flops, training_flops
 from vlrl.models.processor import load_processor, model_family
 from vlrl.models.rope import continue_position_ids, left_pad_position_ids, mrope_position_ids
-from vlrl.utils.flops import measured_cpu_peak, peak_flops, training_flops
 from vlrl.workers.actor import Actor
 from vlrl.workers.from_config import build_actor as actor_from_config
 

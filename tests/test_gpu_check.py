@@ -152,9 +152,9 @@ def test_qwen25_vl_3b_shapes() -> None:
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from vlrl.models.flops import decoder_matmul_params, flops_per_token
     from vlrl.models.tiny import SIZES, _token_ids, build_tokenizer
     from vlrl.tools.gpu_check.qwen3b_check import qwen25_vl_3b_config
-    from vlrl.utils.flops import decoder_matmul_params, flops_per_token
 
     config = qwen25_vl_3b_config(_token_ids(build_tokenizer(SIZES["tiny"].vocab)))
     text, vision = config.text_config, config.vision_config

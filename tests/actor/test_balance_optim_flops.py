@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from vlrl.config import OptimConfig
-from vlrl.utils.flops import decoder_matmul_params, forward_flops, measured_cpu_peak, mfu, training_flops
+from vlrl.models.flops import decoder_matmul_params, forward_flops, measured_cpu_peak, mfu, training_flops
 from vlrl.workers import optim
 from vlrl.workers.balance import (
     balance_across_ranks,
@@ -264,6 +264,6 @@ def test_vision_cache_collate_shared_lists_each_distinct_image_once(actor_model)
     ],
 )
 def test_gpu_peak_by_device_name(name, peak):
-    from vlrl.utils.flops import gpu_peak_bf16
+    from vlrl.models.flops import gpu_peak_bf16
 
     assert gpu_peak_bf16(name) == peak

@@ -1,5 +1,5 @@
 """An actor update at Qwen2.5-VL-3B's shapes on one GPU (random init, tiny tokenizer): it fits in
-memory, trains without a skipped step and reports tokens/s and MFU (vlrl.utils.flops). Several
+memory, trains without a skipped step and reports tokens/s and MFU (vlrl.models.flops). Several
 minutes: the model folder (7.5 GB in bf16) is written and loaded like a real checkpoint."""
 
 from __future__ import annotations

@@ -22,20 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlrl.config.paths import closest_existing, hub_dataset_problem, looks_local
+from vlrl.data.errors import DataError
+from vlrl.data.text_files import json_problem, scan_text_file
 
 logger = logging.getLogger("vlrl.data")
 
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 _HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\-\[\]:%]+)?$")
-
-
-class DataError(ValueError):
-    """Bad data. `file` and `row` (0-based row within that file) say where, when known."""
-
-    def __init__(self, message: str, file: str | None = None, row: int | None = None) -> None:
-        where = file if row is None else f"{file} row {row}"
-        super().__init__(f"{where}: {message}" if file else message)
-        self.file, self.row, self.problem = file, row, message
 
 
 @dataclass
@@ -159,8 +152,6 @@ def _undecoded_images(dataset: Any, column: str) -> Any:
 def load_source(entry: str, image_dir: str | None, image_key: str) -> Source:
     """Load one file or hub split with `datasets` (errors name the entry)."""
     from datasets import load_dataset
-
-    from vlrl.data.text_files import json_problem, scan_text_file
 
     is_file = os.path.isfile(entry)
     kind = DATA_EXTENSIONS[os.path.splitext(entry)[1].lower()] if is_file else "hub"

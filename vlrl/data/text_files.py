@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from vlrl.data.sources import DataError
+from vlrl.data.errors import DataError
 
 
 @dataclass

@@ -40,10 +40,10 @@ from torch.distributed.tensor import DTensor
 from vlrl.algorithms import aggregate_loss, compute_kl_loss, compute_policy_loss, count_tokens_and_seqs
 from vlrl.batch.rows import RolloutBatch
 from vlrl.config import ActorConfig, AlgorithmConfig
+from vlrl.models.flops import peak_flops, training_flops
 from vlrl.models.loading import model_class
 from vlrl.models.lora import ADAPTER, lora_scaling_of, merged_named_tensors
 from vlrl.models.moe import write_checkpoint_layout
-from vlrl.utils.flops import peak_flops, training_flops
 from vlrl.workers.checkpoint_io import (
     SafeFileSystemReader,
     load_extra_state,
@@ -243,7 +243,7 @@ class Actor:
         return {**stats.finish(model.all_reduce), **self._perf_metrics(batch, seconds)}
 
     def _perf_metrics(self, batch: RolloutBatch, seconds: float) -> dict[str, float]:
-        """Real tokens/s and MFU of this update (decoder model FLOPs; see vlrl.utils.flops), rank mean."""
+        """Real tokens/s and MFU of this update (decoder model FLOPs; see vlrl.models.flops), rank mean."""
         lengths = batch.attention_mask.sum(-1).tolist()
         epochs = self.cfg.ppo_epochs
         model = self.model

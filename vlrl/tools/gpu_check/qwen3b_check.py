@@ -4,7 +4,7 @@ The model has the published shapes of Qwen/Qwen2.5-VL-3B-Instruct (values below)
 weights, and our tiny tokenizer/processor (vlrl.models.tiny): nothing is downloaded. Token ids
 stay below the tiny vocabulary, which changes nothing in the cost (the embedding and the lm head
 still have 151,936 rows). It is written as a real model folder so the actor loads it the way it
-loads any checkpoint. MFU counts the decoder's model FLOPs only (vlrl.utils.flops).
+loads any checkpoint. MFU counts the decoder's model FLOPs only (vlrl.models.flops).
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ def _sizes(small: bool) -> dict[str, Any]:
 
 
 def check_qwen3b_update(ctx: Context, outcome: Outcome) -> None:
+    from vlrl.models.flops import peak_flops, training_flops
     from vlrl.models.processor import load_processor
-    from vlrl.utils.flops import peak_flops, training_flops
     from vlrl.workers.from_config import build_actor
 
     size = _sizes(ctx.small)
