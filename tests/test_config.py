@@ -304,3 +304,28 @@ def test_paths_the_ranks_open_are_absolute(base: list[str], tmp_path: Path, monk
     assert load_config(
         [*base, "trainer.project_name=p", "trainer.experiment_name=e"]
     ).trainer.save_checkpoint_path == str(tmp_path / "checkpoints" / "p" / "e")
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ([], "actor"),  # synchronous: EasyR1's ratio
+        (["worker.rollout.async_ranks=1", "worker.rollout.name=vllm"], "rollout"),
+        (["worker.rollout.async_ranks=1", "worker.rollout.name=vllm", "algorithm.tis_cap=2"], "actor"),
+        (["worker.rollout.async_ranks=1", "worker.rollout.name=vllm", "worker.rollout.calculate_log_probs=false"],
+         "actor"),
+        (["algorithm.old_policy=rollout"], "rollout"),
+    ],
+)  # fmt: skip
+def test_old_policy_auto_is_the_sampling_policy_in_asynchronous_mode(
+    base: list[str], overrides: list[str], expected: str
+) -> None:
+    assert load_config([*base, *overrides]).algorithm.old_policy == expected
+
+
+def test_old_policy_rollout_needs_the_engines_log_probs_and_no_tis(base: list[str]) -> None:
+    for extra in ("algorithm.tis_cap=2", "worker.rollout.calculate_log_probs=false"):
+        with pytest.raises(ConfigError, match="algorithm.old_policy=rollout measures the ratio"):
+            load_config([*base, "algorithm.old_policy=rollout", extra])
+    with pytest.raises(ConfigError, match="algorithm.old_policy='behaviour' is unknown"):
+        load_config([*base, "algorithm.old_policy=behaviour"])

@@ -118,3 +118,29 @@ def test_update_reads_the_kept_rows_in_the_drivers_order_and_spreads_per_row_adv
     assert batch.ref_log_probs is None  # never computed: still None
     with pytest.raises(RuntimeError, match=r"names rows \[5\] that this step's log-prob pass did not keep"):
         worker._kept_batch(KeptRows([3, 5], {"advantages": torch.zeros(2, 3)}))
+
+
+@pytest.mark.parametrize("old_policy", ["actor", "rollout"])
+def test_the_update_measures_the_ratio_from_the_configured_old_policy(old_policy: str) -> None:
+    """algorithm.old_policy=rollout: the engine's log-probs (the policy that sampled) are the old ones."""
+    seen = {}
+
+    class Actor:
+        def update_policy(self, batch: RolloutBatch, on_policy: bool) -> dict[str, float]:
+            seen["old"] = batch.old_log_probs
+            return {}
+
+    worker = _worker([], "cpu")
+    worker.role, worker.actor = "train", Actor()
+    worker.config.algorithm = SimpleNamespace(old_policy=old_policy)
+    worker.config.on_policy_update = False
+    actor_old, engine = torch.full((1, 2), -1.0), torch.full((1, 2), -2.0)
+    batch = RolloutBatch(
+        input_ids=torch.ones(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 3, dtype=torch.long),
+        position_ids=torch.arange(3).view(1, 3), responses=torch.ones(1, 2, dtype=torch.long),
+        response_mask=torch.ones(1, 2, dtype=torch.long), group_ids=torch.tensor([0]), prompt_length=1,
+        images=[[]], prompts=["p"], ground_truths=[None], extras=[{}], rollout_log_probs=engine,
+        old_log_probs=actor_old, advantages=torch.ones(1, 2),
+    )  # fmt: skip
+    assert worker.update(batch) == ({}, None)
+    assert seen["old"] is (engine if old_policy == "rollout" else actor_old)

@@ -248,13 +248,21 @@ def _check_algorithm(config: PPOConfig) -> list[str]:
 
 
 def _check_async(config: PPOConfig) -> list[str]:
-    """worker.rollout.async_ranks / max_staleness and algorithm.tis_cap."""
+    """worker.rollout.async_ranks / max_staleness, algorithm.tis_cap and algorithm.old_policy."""
     rollout, algo = config.worker.rollout, config.algorithm
     errors = []
     if algo.tis_cap is not None and (algo.tis_cap <= 0 or not rollout.calculate_log_probs):
         errors.append(
             f"algorithm.tis_cap={algo.tis_cap} needs a cap > 0 and worker.rollout.calculate_log_probs=true "
             "(the engine's log-probs are the denominator)"
+        )
+    if algo.old_policy not in ("auto", "actor", "rollout"):
+        errors.append(f"algorithm.old_policy={algo.old_policy!r} is unknown; choose auto, actor or rollout")
+    elif algo.old_policy == "rollout" and (not rollout.calculate_log_probs or algo.tis_cap is not None):
+        errors.append(
+            "algorithm.old_policy=rollout measures the ratio from the engine's log-probs: it needs "
+            "worker.rollout.calculate_log_probs=true and no algorithm.tis_cap (the ratio already corrects "
+            "for the sampling policy)"
         )
     if rollout.async_ranks == 0:
         return errors

@@ -142,6 +142,15 @@ class AlgorithmConfig(_Section):
     tis_cap), the (detached) ratio of the actor's old log-prob to the engine's, so the update corrects
     for the gap between the policy that sampled and the one being trained (asynchronous mode's
     lag, or engine numerics). Needs worker.rollout.calculate_log_probs. None: off."""
+    old_policy: str = "auto"
+    """The policy the PPO ratio (and its clip) is measured from. actor: the actor's log-probs of the
+    sampled tokens, recomputed before the update (EasyR1's). rollout: the engine's log-probs, i.e. the
+    policy that sampled. In asynchronous mode the batch was sampled one update ago: a ratio measured
+    from the actor lets each step move a full clip range beyond where the previous update already
+    took the policy, and on the quickstart that overshoot sank one seed in four (docs/async.md); from
+    the sampling policy the clip bounds the whole move. Needs worker.rollout.calculate_log_probs; not
+    with tis_cap (the ratio itself then corrects for the sampling policy). auto: rollout in
+    asynchronous mode when the engine's log-probs are computed and tis_cap is off, else actor."""
     online_filtering: bool = False
     """DAPO dynamic sampling: drop groups whose mean `filter_key` reward is not in (filter_low, filter_high)."""
     filter_key: str = "overall"
@@ -654,6 +663,11 @@ class PPOConfig(_Section):
         rollout, model = self.worker.rollout, self.worker.actor.model
         if self.algorithm.disable_kl:  # no reference, so no KL term of any kind (EasyR1's meaning)
             self.algorithm.use_kl_loss = False
+        if self.algorithm.old_policy == "auto":
+            lagged = (
+                rollout.async_ranks > 0 and rollout.calculate_log_probs and self.algorithm.tis_cap is None
+            )
+            self.algorithm.old_policy = "rollout" if lagged else "actor"
         if rollout.max_model_len is None:
             rollout.max_model_len = self.data.max_prompt_length + self.data.max_response_length
         if model.tokenizer_path is None:

@@ -201,12 +201,15 @@ class RankWorker:
     def update(self, batch: RolloutBatch | KeptRows) -> tuple[dict[str, float], torch.Tensor | None]:
         """One PPO update on this rank's shard, then push the new weights to the engine.
 
-        Returns the metrics and, when the batch came without old log-probs
+        With `algorithm.old_policy=rollout` the engine's log-probs are the old ones. Returns the
+        metrics and, when the batch came without old log-probs
         (`config.on_policy_update`), those the update computed [N, R]; else None (the driver has them)."""
         if isinstance(batch, KeptRows):
             batch = self._kept_batch(batch)
         else:
             self._fetch_media(batch)
+        if self.config.algorithm.old_policy == "rollout":  # the ratio from the policy that sampled
+            batch.old_log_probs = batch.tensor("rollout_log_probs")
         try:
             metrics = self.actor.update_policy(batch, on_policy=self.config.on_policy_update)
         finally:
