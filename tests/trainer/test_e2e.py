@@ -95,21 +95,30 @@ def _check_merged_weights_changed(actor_dir: Path, initial: Path) -> None:
     assert model.config.architectures == ["Qwen2_5_VLForConditionalGeneration"]
 
 
+@pytest.mark.parametrize("ratio_from", ["rollout", "actor"])
 def test_async_mode_trains_one_step_off_policy_and_resumes_exactly(
-    assets: dict[str, Path], tmp_path: Path
+    assets: dict[str, Path], tmp_path: Path, ratio_from: str
 ) -> None:
+    """The default (the PPO ratio from the policy that sampled) and, with truncated importance
+    sampling, from the actor; the default also resumes exactly."""
     # one training rank, one rollout rank; the checkpoint at step 2 holds step 3's generation
     common = ["trainer.n_gpus_per_node=2", "worker.rollout.async_ranks=1", "trainer.save_freq=2",
               "trainer.val_before_train=false", "trainer.val_freq=-1", "data.val_files=''",
-              "trainer.max_steps=3", "algorithm.tis_cap=2.0"]  # fmt: skip
+              "trainer.max_steps=3"]  # fmt: skip
+    if ratio_from == "actor":
+        common.append("algorithm.tis_cap=2.0")  # then algorithm.old_policy=auto is actor
     full = tmp_path / "full"
+    proc = run_cli(cli_args(assets, full, *common, "print_config=true"))
+    assert f"algorithm.old_policy = {ratio_from!r}" in proc.stdout
     run_cli(cli_args(assets, full, *common))
     expected = read_metrics(full)
     assert [expected[s]["async/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     # step 1 samples with the broadcast initial weights: engine and actor agree
     assert expected[1]["rollout/log_prob_diff_mean"] < 0.05
-    assert all(0 < expected[s]["async/tis_weight_mean"] <= 2.0 for s in (1, 2, 3))
     assert (full / "global_step_2" / "prefetched.pt").is_file()
+    if ratio_from == "actor":
+        assert all(0 < expected[s]["async/tis_weight_mean"] <= 2.0 for s in (1, 2, 3))
+        return
 
     resumed = tmp_path / "resumed"
     proc = run_cli(
@@ -119,5 +128,5 @@ def test_async_mode_trains_one_step_off_policy_and_resumes_exactly(
     again = read_metrics(resumed)
     assert sorted(again) == [3]
     for key in ("reward/overall", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
-                "rollout/log_prob_diff_mean", "async/staleness", "async/tis_weight_mean"):  # fmt: skip
+                "rollout/log_prob_diff_mean", "async/staleness"):  # fmt: skip
         assert again[3][key] == pytest.approx(expected[3][key], rel=1e-6, abs=1e-9), key
