@@ -47,7 +47,7 @@ def synthetic_step(prompts: int, n: int) -> tuple[PromptBatch, RolloutBatch]:
     images = [[Image.frombytes("RGB", (side, side), os.urandom(side * side * 3))] for _ in range(prompts)]
     prompt_batch = PromptBatch(
         input_ids=torch.randint(0, 150_000, (prompts, p), generator=g), attention_mask=torch.ones(prompts, p, dtype=torch.long),
-        position_ids=torch.zeros(prompts, 3, p, dtype=torch.long), raw_prompt_ids=[list(range(127)) for _ in range(prompts)],
+        position_ids=torch.arange(p).expand(prompts, 3, p).clone(), raw_prompt_ids=[list(range(127)) for _ in range(prompts)],
         images=images, prompts=["x" * 400] * prompts, ground_truths=["42"] * prompts, extras=[{}] * prompts,
         uids=list(range(prompts)),
     )  # fmt: skip
@@ -56,7 +56,7 @@ def synthetic_step(prompts: int, n: int) -> tuple[PromptBatch, RolloutBatch]:
     mask = (torch.arange(r)[None] < lengths[:, None]).long()
     rollout = RolloutBatch(
         input_ids=torch.randint(0, 150_000, (rows, p + r), generator=g), attention_mask=torch.cat([torch.ones(rows, p, dtype=torch.long), mask], 1),
-        position_ids=torch.zeros(rows, 3, p + r, dtype=torch.long), responses=torch.randint(0, 150_000, (rows, r), generator=g),
+        position_ids=torch.arange(p + r).expand(rows, 3, p + r).clone(), responses=torch.randint(0, 150_000, (rows, r), generator=g),
         response_mask=mask, group_ids=torch.arange(prompts).repeat_interleave(n), prompt_length=p,
         images=[row for row in images for _ in range(n)], prompts=["x" * 400] * rows, ground_truths=["42"] * rows,
         extras=[{}] * rows, rollout_log_probs=torch.randn(rows, r, generator=g),

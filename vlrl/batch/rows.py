@@ -19,7 +19,18 @@ B = TypeVar("B", bound="SampleBatch")
 
 @dataclass
 class SampleBatch:
-    """Row operations shared by the batch dataclasses. Fields that are None are carried as None."""
+    """Row operations shared by the batch dataclasses. Fields that are None are carried as None.
+
+    Pickled (Ray's transport between the driver and the ranks, checkpoints of a prefetched batch),
+    int64 tensors travel in the narrowest exact dtype (`narrow`): 0/1 masks as bool, token ids and
+    positions as int32, and come back as int64, so a batch crosses in about half the bytes and
+    arrives equal to what was sent."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: narrow(value) for name, value in self.__dict__.items()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({name: widen(value) for name, value in state.items()})
 
     def __len__(self) -> int:
         for f in fields(self):
@@ -83,6 +94,33 @@ class SampleBatch:
             else:
                 merged[f.name] = values[0]
         return replace(batches[0], **merged)
+
+
+@dataclass(frozen=True)
+class Narrowed:
+    """An int64 tensor stored in a narrower dtype for transport; `widen` gives it back exactly."""
+
+    values: torch.Tensor
+
+
+_INT32 = torch.iinfo(torch.int32)
+
+
+def narrow(value: Any) -> Any:
+    """An int64 tensor as `Narrowed` (bool when every value is 0 or 1, int32 when all fit); anything
+    else as it is."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.numel() == 0:
+        return value
+    low, high = int(value.min()), int(value.max())
+    if low >= 0 and high <= 1:
+        return Narrowed(value.to(torch.bool))
+    if low >= _INT32.min and high <= _INT32.max:
+        return Narrowed(value.to(torch.int32))
+    return value
+
+
+def widen(value: Any) -> Any:
+    return value.values.to(torch.int64) if isinstance(value, Narrowed) else value
 
 
 @dataclass
