@@ -84,7 +84,7 @@ def test_estimators_skip_mask_holes(estimator):
     rewards = torch.zeros(mask.shape)
     rewards[torch.arange(4), last] = scores
     groups = torch.tensor([0, 0, 1, 1])
-    kwargs = {"gamma": 1.0, "lam": 1.0}
+    kwargs = {"gamma": 1.0}
     if estimator == "remax":
         kwargs["baseline_scores"] = torch.tensor([0.5, 0.5, 0.1, 0.1])
     adv, _ = compute_advantages(estimator, rewards, mask, groups, **kwargs)

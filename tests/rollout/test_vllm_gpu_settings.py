@@ -239,6 +239,8 @@ def run_generate(role: str) -> list[str]:
     worker = RankWorker.__new__(RankWorker)
     engine = _RecordingEngine()
     worker.role, worker.rollout, worker.image_refs, worker.device = role, engine, None, torch.device("cpu")
+    worker.rank = 0  # the first rank of its tensor-parallel group: it returns the rollouts
+    worker.config = SimpleNamespace(worker=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=1)))  # type: ignore[assignment]
     worker.actor = _RecordingActor(engine.calls)  # type: ignore[assignment]
     items = list(worker.generate_stream(SimpleNamespace()))  # type: ignore[arg-type]
     assert isinstance(items[0], FinishedGroups) and items[-1] == "batch"

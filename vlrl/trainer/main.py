@@ -18,9 +18,10 @@ from vlrl.config import ConfigError, PPOConfig
 
 _sigterm_received = False  # set by `_raise_on_sigterm`
 _cleanup_cut = False  # set by `_clean_up` when it stopped waiting for a step after SIGTERM
-# After SIGTERM each clean-up step gets this long, so that the whole exit fits in the 30 s a
+_cleanup_deadline: float | None = None  # monotonic time by which the clean-up after SIGTERM ends
+# After SIGTERM the clean-up steps get this long together, so that the exit fits in the 30 s a
 # scheduler (Slurm's KillWait, Kubernetes' grace period) usually leaves before SIGKILL.
-SIGTERM_CLEANUP_S = 15.0
+SIGTERM_CLEANUP_S = 20.0
 
 
 def _usage() -> str:
@@ -126,12 +127,12 @@ def _stop_ray() -> None:
 
 
 def _clean_up(step: Callable[[], None]) -> None:
-    """Run a clean-up step of the CLI. After SIGTERM it runs in a thread that is waited for
-    SIGTERM_CLEANUP_S at most, and no longer once this run's own Ray processes are gone (a
-    SIGTERM sent to the process group stops them too, and Ray's calls would then wait 60 s for
-    their GCS and end the process with exit 1); the steps after a cut one are skipped, and
-    `_exit_on_sigterm` ends the process without Ray's exit hooks."""
-    global _cleanup_cut
+    """Run a clean-up step of the CLI. After SIGTERM it runs in a thread, waited for until the
+    clean-up's deadline (SIGTERM_CLEANUP_S after its first step) and no longer once this run's
+    own Ray processes are gone (a SIGTERM sent to the process group stops them too, and Ray's
+    calls would then wait 60 s for their GCS and end the process with exit 1); the steps after a
+    cut one are skipped, and `_exit_on_sigterm` ends the process without Ray's exit hooks."""
+    global _cleanup_cut, _cleanup_deadline
     from vlrl.trainer.ray_workers import local_ray_stopped
 
     if not _sigterm_received:
@@ -139,12 +140,13 @@ def _clean_up(step: Callable[[], None]) -> None:
         return
     if _cleanup_cut:
         return
+    if _cleanup_deadline is None:
+        _cleanup_deadline = time.monotonic() + SIGTERM_CLEANUP_S
     worker = threading.Thread(target=step, name="vlrl-clean-up", daemon=True)
     worker.start()
-    started = time.monotonic()
     while worker.is_alive():
         ray_gone = local_ray_stopped()
-        if ray_gone or time.monotonic() - started > SIGTERM_CLEANUP_S:
+        if ray_gone or time.monotonic() > _cleanup_deadline:
             _cleanup_cut = True
             why = (
                 "Ray's processes were stopped by the signal too"
