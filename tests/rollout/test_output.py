@@ -35,7 +35,7 @@ def test_eos_mid_response_none_and_first():
         [EOS2, 4, PAD, PAD],
     ]
     assert batch.response_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 0], [1, 0, 0, 0], [1, 0, 0, 0]]
-    assert batch.response_lengths.tolist() == [3, 3, 1, 1]
+    assert batch.response_mask.sum(-1).tolist() == [3, 3, 1, 1]
 
 
 def test_layout_groups_and_prompt_part():

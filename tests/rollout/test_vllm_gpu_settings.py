@@ -18,7 +18,8 @@ import pytest
 import torch
 from rollout_helpers import rollout_config
 
-from vlrl.batch.rows import FinishedGroups
+from vlrl.batch.rows import FinishedGroups, RolloutBatch
+from vlrl.batch.samples import StepSamples
 from vlrl.config import RolloutConfig
 from vlrl.rollout import vllm_settings
 from vlrl.rollout.vllm_engine import (
@@ -219,7 +220,12 @@ class _RecordingEngine:
     def generate_stream(self, prompts: Any, overrides: Any) -> Iterator[Any]:
         self.calls.append("generate")
         yield FinishedGroups([0], [[1, 2]])
-        yield "batch"
+        yield RolloutBatch(
+            input_ids=torch.ones(1, 2, dtype=torch.long), attention_mask=torch.ones(1, 2, dtype=torch.long),
+            position_ids=torch.zeros(1, 2, dtype=torch.long), responses=torch.ones(1, 1, dtype=torch.long),
+            response_mask=torch.ones(1, 1, dtype=torch.long), group_ids=torch.zeros(1, dtype=torch.long),
+            prompt_length=1, images=[[]], prompts=["p"], ground_truths=[None], extras=[{}],
+        )  # fmt: skip
 
 
 class _RecordingActor:
@@ -243,7 +249,7 @@ def run_generate(role: str) -> list[str]:
     worker.config = SimpleNamespace(worker=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=1)))  # type: ignore[assignment]
     worker.actor = _RecordingActor(engine.calls)  # type: ignore[assignment]
     items = list(worker.generate_stream(SimpleNamespace()))  # type: ignore[arg-type]
-    assert isinstance(items[0], FinishedGroups) and items[-1] == "batch"
+    assert isinstance(items[0], FinishedGroups) and isinstance(items[-1], StepSamples)
     return engine.calls
 
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
+from vlrl.batch.held import Held, take, take_plan
 from vlrl.batch.rows import PromptBatch, RolloutBatch
+from vlrl.batch.samples import StepSamples
 from vlrl.trainer.async_rollout import AsyncRollout
 from vlrl.trainer.ranks import Done, RankRoles
 
@@ -65,10 +67,10 @@ def test_weights_are_sent_only_when_the_engines_lag() -> None:
 def test_a_prefetched_generation_is_taken_by_its_step_only() -> None:
     flow, _ = _flow()
     flow.sync_engines(3)
-    flow.submit(5, _prompts(), Done([_rollout()]), lambda per_rank: per_rank[0])
+    flow.submit(5, _prompts(), Done([_samples()]), lambda per_rank: per_rank[0])
     with pytest.raises(RuntimeError, match="for step 5, not 6"):
         flow.take(6)
-    flow.submit(5, _prompts(), Done([_rollout()]), lambda per_rank: per_rank[0])
+    flow.submit(5, _prompts(), Done([_samples()]), lambda per_rank: per_rank[0])
     ahead = flow.take(5)
     assert ahead is not None and ahead.version == 3 and len(ahead.result()) == 2
     assert flow.take(6) is None  # taken: nothing in flight
@@ -77,22 +79,35 @@ def test_a_prefetched_generation_is_taken_by_its_step_only() -> None:
 def test_the_generation_in_flight_is_saved_with_pixels_and_loaded(tmp_path: Path) -> None:
     flow, _ = _flow()
     flow.sync_engines(1)
-    flow.submit(3, _prompts(), Done([_rollout()]), lambda per_rank: per_rank[0])
+    flow.submit(3, _prompts(), Done([_samples()]), lambda per_rank: per_rank[0])
     fetched: list[int] = []
 
     def fetch(images: list[list]) -> list[list]:
         fetched.append(len(images))
         return [[Image.new("RGB", (28, 28), "red")] for _ in images]
 
-    flow.save(str(tmp_path), fetch)
+    def rows_of(samples: StepSamples) -> RolloutBatch:  # the rows from where they are held
+        return take(take_plan(samples.held, list(range(len(samples)))), 0)
+
+    flow.save(str(tmp_path), fetch, rows_of)
     assert fetched == [2, 1]  # the rollout's and the prompts' images
     resumed, _ = _flow()
-    resumed.load(str(tmp_path))
+    published: list[RolloutBatch] = []
+
+    def publish(batch: RolloutBatch) -> StepSamples:
+        published.append(batch)
+        return StepSamples.of(batch, Held(batch))
+
+    resumed.load(str(tmp_path), publish)
     ahead = resumed.take(3)
     assert ahead is not None and ahead.version == 1
-    batch = ahead.result()
-    assert torch.equal(batch.responses, _rollout().responses) and batch.images[0][0].size == (28, 28)
-    _flow()[0].load(str(tmp_path / "nothing"))  # no file: nothing in flight
+    samples = ahead.result()
+    assert torch.equal(samples.responses, _rollout().responses)
+    assert torch.equal(published[0].input_ids, _rollout().input_ids) and published[0].images[0][0].size == (
+        28,
+        28,
+    )
+    _flow()[0].load(str(tmp_path / "nothing"), publish)  # no file: nothing in flight
 
 
 def _prompts() -> PromptBatch:
@@ -101,6 +116,11 @@ def _prompts() -> PromptBatch:
         position_ids=torch.zeros(1, 2, dtype=torch.long), raw_prompt_ids=[[1]], images=[["ref"]], prompts=["p"],
         ground_truths=["a"], extras=[{}], uids=[0],
     )  # fmt: skip
+
+
+def _samples() -> StepSamples:
+    rollout = _rollout()
+    return StepSamples.of(rollout, Held(rollout))
 
 
 def _rollout() -> RolloutBatch:

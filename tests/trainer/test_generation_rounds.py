@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlrl.batch.rows import RolloutBatch
+from vlrl.batch.samples import StepSamples
 from vlrl.trainer.ppo_trainer import planned_steps
 from vlrl.trainer.rounds import BatchFiller
 
@@ -55,16 +55,14 @@ def _fill(config: SimpleNamespace, solved: set[int], prompts: _Prompts | None = 
     n = config.worker.rollout.n
     prompts = prompts or _Prompts(config.data.mini_rollout_batch_size or config.data.rollout_batch_size)
 
-    def draw_round(round_: int) -> tuple[list[int], RolloutBatch, dict[str, float]]:
+    def draw_round(round_: int) -> tuple[list[int], StepSamples, dict[str, float]]:
         ids = prompts.next_train_batch()
         rows = len(ids) * n
-        batch = RolloutBatch(
-            input_ids=torch.ones(rows, 3, dtype=torch.long), attention_mask=torch.ones(rows, 3, dtype=torch.long),
-            position_ids=torch.zeros(rows, 3, dtype=torch.long), responses=torch.ones(rows, 1, dtype=torch.long),
-            response_mask=torch.ones(rows, 1, dtype=torch.long),
-            group_ids=torch.tensor([p for p in ids for _ in range(n)]), prompt_length=2,
-            images=[[] for _ in range(rows)], prompts=[str(p) for p in ids for _ in range(n)],
-            ground_truths=[""] * rows, extras=[{} for _ in range(rows)],
+        batch = StepSamples(
+            responses=torch.ones(rows, 1, dtype=torch.long), response_mask=torch.ones(rows, 1, dtype=torch.long),
+            group_ids=torch.tensor([p for p in ids for _ in range(n)]), prompt_lengths=torch.full((rows,), 2),
+            turn_lengths=torch.ones(rows, dtype=torch.long), prompts=[str(p) for p in ids for _ in range(n)],
+            ground_truths=[""] * rows, extras=[{} for _ in range(rows)], held=[None] * rows,
             reward_parts=[{"overall": 0.0, "acc": 1.0 if p in solved else float(i % 2)}
                           for i, p in enumerate(p for p in ids for _ in range(n))],
         )  # fmt: skip

@@ -1,45 +1,36 @@
-"""Per-step metrics on the driver: the engine-vs-actor drift warning."""
+"""Per-step metrics: the engine-vs-actor drift, measured on the ranks and combined on the driver."""
 
 from __future__ import annotations
 
 import torch
 
-from vlrl.batch.rows import RolloutBatch
-from vlrl.trainer.metrics import batch_metrics, drift_warning
-
-
-def _batch(engine: list[list[float]], actor: list[list[float]], mask: list[list[int]]) -> RolloutBatch:
-    n, r = len(mask), len(mask[0])
-    response_mask = torch.tensor(mask)
-    batch = RolloutBatch(
-        input_ids=torch.zeros(n, 1 + r, dtype=torch.long),
-        attention_mask=torch.cat([torch.ones(n, 1, dtype=torch.long), response_mask], 1),
-        position_ids=torch.zeros(n, 1 + r, dtype=torch.long),
-        responses=torch.zeros(n, r, dtype=torch.long),
-        response_mask=response_mask,
-        group_ids=torch.arange(n),
-        prompt_length=1,
-        images=[[] for _ in range(n)],
-        prompts=["p"] * n,
-        ground_truths=[None] * n,
-        extras=[{} for _ in range(n)],
-    )
-    batch.rollout_log_probs, batch.old_log_probs = torch.tensor(engine), torch.tensor(actor)
-    batch.token_level_scores = batch.token_level_rewards = torch.zeros(n, r)
-    batch.advantages = torch.zeros(n, r)
-    return batch
+from vlrl.algorithms.importance import combine_drift, log_prob_drift
+from vlrl.trainer.metrics import drift_warning
 
 
 def test_log_prob_diff_covers_response_tokens_only_and_warns_above_the_limit():
     # |diff| on valid tokens: 0.01, 0.03, 0.2 (mean 0.08); the masked 5.0 gap is padding
-    batch = _batch([[-1.0, -2.0], [-0.5, -3.0]], [[-1.01, -2.03], [-0.7, 2.0]], [[1, 1], [1, 0]])
-    metrics = batch_metrics(batch, max_response_length=2)
+    engine, actor = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]]), torch.tensor([[-1.01, -2.03], [-0.7, 2.0]])
+    drift = log_prob_drift(engine, actor, torch.tensor([[1, 1], [1, 0]]))
+    metrics = combine_drift([drift])
     assert abs(metrics["rollout/log_prob_diff_mean"] - 0.08) < 1e-6
+    assert metrics["rollout/log_prob_diff_mean"] == drift["mean"]  # one rank: its mean, unchanged
     assert abs(metrics["rollout/log_prob_diff_max"] - 0.2) < 1e-6
     message = drift_warning(metrics, limit=0.05)
     assert message is not None and "0.0800" in message and "log_prob_diff_warn=0.05" in message
     assert drift_warning(metrics, limit=0.1) is None
     assert drift_warning({}, limit=0.05) is None  # no engine log-probs: nothing to compare
+    assert combine_drift([{}, {}]) == {}
+
+
+def test_the_ranks_drifts_combine_weighted_by_their_tokens() -> None:
+    """Each rank measures its own rows; the step's mean weighs each rank by its tokens (3 and 1)."""
+    ones = torch.ones(1, 3, dtype=torch.long)
+    a = log_prob_drift(torch.zeros(1, 3), torch.full((1, 3), 0.1), ones)
+    b = log_prob_drift(torch.zeros(1, 3), torch.full((1, 3), 0.5), torch.tensor([[1, 0, 0]]))
+    metrics = combine_drift([a, b])
+    assert abs(metrics["rollout/log_prob_diff_mean"] - (3 * 0.1 + 0.5) / 4) < 1e-6
+    assert abs(metrics["rollout/log_prob_diff_max"] - 0.5) < 1e-6
 
 
 def test_signal_watch_warns_every_tenth_step_in_a_row_without_advantages() -> None:

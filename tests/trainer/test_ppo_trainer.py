@@ -174,12 +174,15 @@ def test_on_policy_update_skips_the_old_log_prob_pass(make) -> None:
     assert trainer.config.on_policy_update
     calls: list[str] = []
     worker = trainer.ranks.workers[0]
-    for name in ("compute_log_probs", "update"):
-        method = getattr(worker, name)
-        setattr(worker, name, lambda *a, _m=method, _n=name, **k: (calls.append(_n), _m(*a, **k))[1])
+    for owner, name in ((worker.actor, "compute_log_probs"), (worker, "take_rows"), (worker, "update")):
+        method = getattr(owner, name)
+        setattr(owner, name, lambda *a, _m=method, _n=name, **k: (calls.append(_n), _m(*a, **k))[1])
     trainer.global_step = 1
     metrics = trainer.train_step()
-    assert calls == ["update"]  # no old (and, KL off, no reference) pass
+    assert calls == [
+        "take_rows",
+        "update",
+    ]  # the rank takes its rows, no old (and, KL off, no reference) pass
     # the update's own log-probs are the old ones: ratio 1, nothing clipped
     assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac_higher"] == 0.0
     assert "rollout/log_prob_diff_mean" in metrics  # engine vs the update's old log-probs
@@ -206,15 +209,11 @@ def test_streamed_rewards_score_the_groups_as_they_finish_and_the_same_batch(mak
     assert len(adds) > 1 and sorted(sum(adds, [])) == list(range(16))
     after = trainer._generate(prompts)  # what worker.reward.streaming=false does: generate, then score
     after_metrics = trainer._score(after)
-    for name in (
-        "input_ids",
-        "attention_mask",
-        "position_ids",
-        "responses",
-        "response_mask",
-        "token_level_scores",
-    ):
+    for name in ("responses", "response_mask", "prompt_lengths", "turn_lengths", "token_level_scores"):
         assert torch.equal(getattr(streamed, name), getattr(after, name)), name
+    streamed_rows, after_rows = trainer._rows_of(streamed), trainer._rows_of(after)  # held on the rank
+    for name in ("input_ids", "attention_mask", "position_ids", "responses", "rollout_log_probs"):
+        assert torch.equal(getattr(streamed_rows, name), getattr(after_rows, name)), name
 
     def without_calls(values: dict) -> dict:  # the calls' sizes differ by design
         return {key: value for key, value in values.items() if "calls" not in key}

@@ -7,11 +7,29 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlrl.batch.rows import FinishedGroups, RolloutBatch
+from vlrl.batch.rows import FinishedGroups, KeptRows, RolloutBatch
+from vlrl.batch.samples import StepSamples
 from vlrl.workers.rank_worker import RankWorker
 
-BATCH = RolloutBatch.__new__(RolloutBatch)  # stands for the shard's batch (only passed along)
 GROUPS = FinishedGroups(prompt_rows=[0], responses=[[7]])
+
+
+def _rollout(n: int = 1, engine: torch.Tensor | None = None, old: torch.Tensor | None = None) -> RolloutBatch:
+    return RolloutBatch(
+        input_ids=torch.ones(n, 3, dtype=torch.long), attention_mask=torch.ones(n, 3, dtype=torch.long),
+        position_ids=torch.arange(3).repeat(n, 1), responses=torch.ones(n, 2, dtype=torch.long),
+        response_mask=torch.ones(n, 2, dtype=torch.long), group_ids=torch.arange(n), prompt_length=1,
+        images=[[]] * n, prompts=["p"] * n, ground_truths=[None] * n, extras=[{}] * n,
+        rollout_log_probs=engine, old_log_probs=old,
+    )  # fmt: skip
+
+
+BATCH = _rollout()  # the engine's rows of the shard
+
+
+def _is_batch(item: object) -> bool:
+    """The samples a generating rank reports for BATCH, which it keeps (published) itself."""
+    return isinstance(item, StepSamples) and item.held[0] is not None and item.held[0][0].fetch() is BATCH
 
 
 class _Recorder:
@@ -45,7 +63,7 @@ def _worker(
 def test_actor_offloads_before_the_engine_wakes_and_returns_after(monkeypatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    assert _worker(calls, "cuda").generate(prompts=SimpleNamespace(images=[])) is BATCH
+    assert _is_batch(_worker(calls, "cuda").generate(prompts=SimpleNamespace(images=[])))
     assert calls == [
         "actor.offload_to_cpu",
         "empty_cache",
@@ -61,15 +79,19 @@ def test_streamed_groups_pass_while_the_actor_is_away_and_the_batch_comes_last()
     stream = _worker(calls, "cpu").generate_stream(prompts=SimpleNamespace(images=[]))
     assert next(stream) is GROUPS
     assert calls[-1] == "rollout.generate_stream"  # the actor is still offloaded
-    assert list(stream) == [BATCH] and calls[-1] == "actor.load_to_device"
+    rest = list(stream)
+    assert len(rest) == 1 and _is_batch(rest[0]) and calls[-1] == "actor.load_to_device"
 
 
 def test_only_the_first_rank_of_a_tensor_parallel_group_returns_rollouts() -> None:
     """Its peers ran the same engine on the same prompts: they send no copy of the rows (nor of
     the streamed groups) through the driver."""
-    for rank, expected in ((0, [GROUPS, BATCH]), (1, [None]), (2, [GROUPS, BATCH]), (3, [None])):
-        stream = _worker([], "cpu", rank=rank, tp=2).generate_stream(prompts=SimpleNamespace(images=[]))
-        assert list(stream) == expected, rank
+    for rank in range(4):
+        items = list(_worker([], "cpu", rank=rank, tp=2).generate_stream(prompts=SimpleNamespace(images=[])))
+        if rank % 2 == 0:
+            assert items[0] is GROUPS and _is_batch(items[1]) and len(items) == 2, rank
+        else:
+            assert items == [None], rank
     assert _worker([], "cpu", rank=1, tp=2).generate(prompts=SimpleNamespace(images=[])) is None
 
 
@@ -101,8 +123,6 @@ def test_gpu_process_group_has_a_cpu_backend_for_fsdp_cpu_offload() -> None:
 
 
 def test_update_reads_the_kept_rows_in_the_drivers_order_and_spreads_per_row_advantages() -> None:
-    from vlrl.batch.rows import KeptRows
-
     worker = _worker([], "cpu")
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     worker.kept_rows = [7, 3]  # the step's row ids of the kept shard, in its order
@@ -116,7 +136,7 @@ def test_update_reads_the_kept_rows_in_the_drivers_order_and_spreads_per_row_adv
     assert batch.prompts == ["b", "a"] and batch.prompt_length == 2
     assert batch.advantages.tolist() == [[-0.5, 0.0, 0.0], [2.0, 2.0, 0.0]]
     assert batch.ref_log_probs is None  # never computed: still None
-    with pytest.raises(RuntimeError, match=r"names rows \[5\] that this step's log-prob pass did not keep"):
+    with pytest.raises(RuntimeError, match=r"names rows \[5\] that this step's take_rows did not keep"):
         worker._kept_batch(KeptRows([3, 5], {"advantages": torch.zeros(2, 3)}))
 
 
@@ -132,15 +152,10 @@ def test_the_update_measures_the_ratio_from_the_configured_old_policy(old_policy
 
     worker = _worker([], "cpu")
     worker.role, worker.actor = "train", Actor()
-    worker.config.algorithm = SimpleNamespace(old_policy=old_policy)
+    worker.config.algorithm = SimpleNamespace(old_policy=old_policy, tis_cap=None)
     worker.config.on_policy_update = False
     actor_old, engine = torch.full((1, 2), -1.0), torch.full((1, 2), -2.0)
-    batch = RolloutBatch(
-        input_ids=torch.ones(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 3, dtype=torch.long),
-        position_ids=torch.arange(3).view(1, 3), responses=torch.ones(1, 2, dtype=torch.long),
-        response_mask=torch.ones(1, 2, dtype=torch.long), group_ids=torch.tensor([0]), prompt_length=1,
-        images=[[]], prompts=["p"], ground_truths=[None], extras=[{}], rollout_log_probs=engine,
-        old_log_probs=actor_old, advantages=torch.ones(1, 2),
-    )  # fmt: skip
-    assert worker.update(batch) == ({}, None)
-    assert seen["old"] is (engine if old_policy == "rollout" else actor_old)
+    worker.kept_rows, worker.kept = [0], _rollout(engine=engine, old=actor_old)
+    metrics, drift = worker.update(KeptRows([0], {}, per_row={"advantages": torch.ones(1)}))
+    assert metrics == {} and drift == {"mean": 1.0, "max": 1.0, "tokens": 2.0}  # engine vs actor, either way
+    assert torch.equal(seen["old"], engine if old_policy == "rollout" else actor_old)

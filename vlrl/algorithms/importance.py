@@ -31,3 +31,27 @@ def truncated_importance_weighting(
         "async/tis_clipped_frac": float((raw > cap).float().mean()) if raw.numel() else 0.0,
     }
     return advantages * weights, metrics
+
+
+def log_prob_drift(
+    rollout_log_probs: Tensor, old_log_probs: Tensor, response_mask: Tensor
+) -> dict[str, float]:
+    """How far the engine's log-probs of the sampled tokens are from the actor's (numerics, stale
+    weights): |rollout - old| over the response tokens, its mean and max, and how many tokens. [N, R] in."""
+    diff = (rollout_log_probs - old_log_probs).abs()[response_mask.bool()]
+    if diff.numel() == 0:
+        return {"mean": 0.0, "max": 0.0, "tokens": 0.0}
+    return {"mean": diff.mean().item(), "max": diff.max().item(), "tokens": float(diff.numel())}
+
+
+def combine_drift(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """The ranks' `log_prob_drift`s as one step's metrics: the token-weighted mean and the max."""
+    parts = [d for d in per_rank if d]
+    tokens = sum(d["tokens"] for d in parts)
+    if not parts:
+        return {}
+    return {
+        "rollout/log_prob_diff_max": max(d["max"] for d in parts),
+        # weights tokens/total are exactly 1.0 for a single rank, so its mean comes through unchanged
+        "rollout/log_prob_diff_mean": sum(d["mean"] * (d["tokens"] / max(tokens, 1.0)) for d in parts),
+    }

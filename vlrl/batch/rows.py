@@ -46,13 +46,6 @@ class SampleBatch:
             raise ValueError(f"the batch has no {name!r} yet: the stage that fills it has not run")
         return value
 
-    def scored_parts(self) -> list[dict[str, float]]:
-        """Per-sample reward parts, which the reward stage fills (RolloutBatch only)."""
-        parts = getattr(self, "reward_parts", None)
-        if parts is None:
-            raise ValueError("the batch has no reward parts yet: it has not been scored")
-        return parts
-
     def select(self: B, index: torch.Tensor | list[int]) -> B:
         """Rows `index` (a list of ints or a 1-D long/bool tensor), in that order."""
         if isinstance(index, torch.Tensor):
@@ -161,19 +154,10 @@ class RolloutBatch(SampleBatch):
     # response_mask is then 1 on sampled tokens only, attention_mask on every trajectory token.
     trajectories: list[dict[str, Any]] | None = None
     videos: list[list[Any]] | None = None  # per sample, like `images` (vlrl.data.video.Video)
-    # Filled by later stages of the step:
-    token_level_scores: torch.Tensor | None = None  # [N, R] reward on the last response token
-    token_level_rewards: torch.Tensor | None = None  # [N, R] scores minus the KL penalty (if in reward)
+    # Filled on the rank that trains on the row (the driver scores `StepSamples`, vlrl.batch.samples):
     old_log_probs: torch.Tensor | None = None  # [N, R] actor before the update
     ref_log_probs: torch.Tensor | None = None  # [N, R] reference policy
-    advantages: torch.Tensor | None = None  # [N, R]
-    returns: torch.Tensor | None = None  # [N, R]
-    reward_parts: list[dict[str, float]] | None = None  # per-sample reward parts (overall, accuracy ...)
-
-    @property
-    def response_lengths(self) -> torch.Tensor:
-        """[N] number of valid response tokens."""
-        return self.response_mask.sum(-1)
+    advantages: torch.Tensor | None = None  # [N, R] spread from the driver's per-sample values
 
 
 # Every tensor field of RolloutBatch by the width of its last dimension, so that padding two
@@ -181,8 +165,7 @@ class RolloutBatch(SampleBatch):
 # tensor field is in exactly one of these; a new [N, R] field must be added here).
 SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")  # [..., P + R]
 RESPONSE_FIELDS = (  # [N, R]
-    "responses", "response_mask", "rollout_log_probs", "token_level_scores", "token_level_rewards",
-    "old_log_probs", "ref_log_probs", "advantages", "returns",
+    "responses", "response_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "advantages",
 )  # fmt: skip
 PER_ROW_FIELDS = ("group_ids",)  # [N]
 TOKEN_ID_FIELDS = ("input_ids", "responses")  # padded with the pad token id; the rest with 0

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from vlrl.batch.rows import PromptBatch, RolloutBatch
+from vlrl.batch.samples import StepSamples
 from vlrl.trainer.ranks import Pending, RankRoles
 
 PREFETCHED = "prefetched.pt"
@@ -36,10 +37,10 @@ class Prefetched:
     prompts: PromptBatch
     version: int  # the trainer weights' version (updates done) the engines generated with
     pending: Pending | None = None  # None once `batch` is in
-    batch: RolloutBatch | None = None
-    merge: Callable[[list[RolloutBatch]], RolloutBatch] | None = None
+    batch: StepSamples | None = None  # the rows stay on the rollout ranks (vlrl.batch.held)
+    merge: Callable[[list[StepSamples | None]], StepSamples] | None = None
 
-    def result(self) -> RolloutBatch:
+    def result(self) -> StepSamples:
         if self.batch is None:
             assert self.pending is not None and self.merge is not None
             self.batch, self.pending = self.merge(self.pending.result()), None
@@ -91,12 +92,18 @@ class AsyncRollout:
         self.prefetched = Prefetched(step, prompts, self.engine_version, pending, merge=merge)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, folder: str, fetch_images: Callable[[list[list[Any]]], list[list[Any]]]) -> None:
-        """Wait for the generation in flight and write it (with its images' pixels) to `folder`."""
+    def save(
+        self,
+        folder: str,
+        fetch_images: Callable[[list[list[Any]]], list[list[Any]]],
+        rows_of: Callable[[StepSamples], RolloutBatch],
+    ) -> None:
+        """Wait for the generation in flight and write it (its rows, fetched by `rows_of` from the
+        rollout ranks, with its images' pixels) to `folder`."""
         if self.prefetched is None:
             return
         found = self.prefetched
-        batch, prompts = replace(found.result()), replace(found.prompts)
+        batch, prompts = rows_of(found.result()), replace(found.prompts)
         for media in (batch, prompts):
             media.images = fetch_images(media.images)
             if media.videos is not None:
@@ -104,10 +111,11 @@ class AsyncRollout:
         torch.save({"step": found.step, "version": found.version, "prompts": prompts, "batch": batch},
                    os.path.join(folder, PREFETCHED))  # fmt: skip
 
-    def load(self, folder: str) -> None:
+    def load(self, folder: str, publish: Callable[[RolloutBatch], StepSamples]) -> None:
+        """The generation a checkpoint saved, its rows `publish`ed for the training ranks."""
         path = os.path.join(folder, PREFETCHED)
         if os.path.isfile(path):
             saved = torch.load(path, weights_only=False)
             self.prefetched = Prefetched(
-                saved["step"], saved["prompts"], saved["version"], batch=saved["batch"]
+                saved["step"], saved["prompts"], saved["version"], batch=publish(saved["batch"])
             )

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from vlrl.batch.rows import RolloutBatch
+from vlrl.batch.samples import StepSamples
 
 
 class PhaseTimer:
@@ -42,11 +42,12 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     }
 
 
-def batch_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:
-    """Rewards, advantages and lengths of one step's batch."""
+def batch_metrics(batch: StepSamples, max_response_length: int) -> dict[str, float]:
+    """Rewards, advantages and lengths of one step's samples (the engine-vs-actor log-prob drift
+    comes from the ranks, which hold both: `vlrl.algorithms.importance.log_prob_drift`)."""
     mask = batch.response_mask.bool()  # [N, R]
     response_len = batch.response_mask.sum(-1)  # [N]
-    prompt_len = batch.attention_mask[:, : batch.prompt_length].sum(-1)  # [N]
+    prompt_len = batch.prompt_lengths  # [N]
     scores = batch.tensor("token_level_scores").sum(-1)  # [N]
     metrics = {
         **_stats("critic/score", scores),
@@ -57,11 +58,6 @@ def batch_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, fl
         "response_length/clip_ratio": (response_len >= max_response_length).float().mean().item(),
     }
     metrics.update(multi_turn_metrics(batch.trajectories or [], "multi_turn"))
-    if batch.rollout_log_probs is not None and batch.old_log_probs is not None:
-        # drift between the engine's and the actor's log-probs of the same tokens (numerics, stale weights)
-        diff = (batch.rollout_log_probs - batch.old_log_probs).abs()[mask]
-        metrics["rollout/log_prob_diff_max"] = diff.max().item() if diff.numel() else 0.0
-        metrics["rollout/log_prob_diff_mean"] = diff.mean().item() if diff.numel() else 0.0
     return metrics
 
 
@@ -124,8 +120,8 @@ class SignalWatch:
         )
 
 
-def throughput_metrics(batch: RolloutBatch, step_seconds: float, world_size: int) -> dict[str, float]:
-    tokens = batch.attention_mask.sum().item()
+def throughput_metrics(batch: StepSamples, step_seconds: float, world_size: int) -> dict[str, float]:
+    tokens = batch.sequence_lengths.sum().item()
     return {
         "perf/total_tokens": float(tokens),
         "perf/tokens_per_s": tokens / max(step_seconds, 1e-9),

@@ -26,15 +26,17 @@ from typing import Any
 import torch
 
 from vlrl.algorithms import apply_kl_penalty, compute_advantages, make_kl_controller
-from vlrl.algorithms.importance import truncated_importance_weighting
+from vlrl.algorithms.importance import combine_drift
+from vlrl.batch.held import publish, take, take_plan
 from vlrl.batch.image_refs import ImageRefs
-from vlrl.batch.rows import KeptRows, PromptBatch, RolloutBatch, one_value_per_row
+from vlrl.batch.rows import PromptBatch, RolloutBatch
+from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
 from vlrl.models.sampling import truncation_warning
 from vlrl.rollout.base import eos_token_ids
 from vlrl.trainer.async_rollout import AsyncRollout, Prefetched
 from vlrl.trainer.checkpoint import CheckpointManager, check_checkpoint, read_state
-from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_rollouts, split_prompts
+from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_samples, split_prompts, update_inputs
 from vlrl.trainer.loggers import Tracker, logged_history
 from vlrl.trainer.metrics import (
     PhaseTimer,
@@ -171,30 +173,31 @@ class PPOTrainer:
         algo, world = self.config.algorithm, self.config.train_world_size
         timer, metrics = PhaseTimer(), {}
         with timer("step"):
-            # 1-2. draw prompts, generate and score until the batch holds rollout_batch_size groups
+            # 1-2. draw prompts, generate and score until the batch holds rollout_batch_size groups;
+            # the rows stay on the generating ranks, the driver holds `StepSamples`
             batch, baselines, reward_metrics = self._generate_scored_batch(timer)
             metrics.update(reward_metrics)
-            # 3. old and reference log-probs, on token-balanced shards
-            # (on-policy: no old pass, the update's own log-probs are the old ones; only the reference)
-            n, on_policy = len(batch), self.config.on_policy_update
-            shards = balanced_shards(batch, world, self.config.worker.actor.ulysses_size)
-            kept = not on_policy or self.config.use_reference  # the ranks keep their rows for the update
-            if kept:
-                with timer("old_ref"):
-                    shard_batches = [batch.select(i) for i in shards]
-                    results = self.ranks.call(
-                        "compute_log_probs", shard_batches, shards, with_old=not on_policy
-                    )
-                    if not on_policy:
-                        batch.old_log_probs = gather_rows(shards, [old for old, _ in results], n)
-                    if results[0][1] is not None:
-                        batch.ref_log_probs = gather_rows(shards, [ref for _, ref in results], n)
-            # 4. KL penalty in the reward (GRPO instead puts KL in the loss: algorithm.use_kl_loss)
+            # 3. each training rank takes its token-balanced shard of the rows and keeps it with its
+            # old (unless on-policy: the update computes them) and reference log-probs
+            n, shards = (
+                len(batch),
+                balanced_shards(batch.sequence_lengths, world, self.config.worker.actor.ulysses_size),
+            )
+            kl_in_reward = self.config.use_reference and not algo.use_kl_loss
+            with timer("old_ref"):
+                plans = [take_plan(batch.held, rows) for rows in shards]
+                results = self.ranks.call(
+                    "take_rows", plans, shards, with_old=not self.config.on_policy_update,
+                    log_probs_back=kl_in_reward,
+                )  # fmt: skip
             with timer("adv"):
                 batch.token_level_rewards = batch.tensor("token_level_scores")
-                if batch.ref_log_probs is not None and not algo.use_kl_loss:
+                if kl_in_reward:  # 4. KL penalty in the reward (GRPO instead puts KL in the loss)
+                    width = batch.responses.shape[1]
+                    batch.old_log_probs = gather_rows(shards, [old for old, _ in results], n, width)
+                    batch.ref_log_probs = gather_rows(shards, [ref for _, ref in results], n, width)
                     batch.token_level_rewards, current_kl = apply_kl_penalty(
-                        batch.tensor("token_level_scores"), batch.tensor("old_log_probs"), batch.ref_log_probs,
+                        batch.tensor("token_level_scores"), batch.old_log_probs, batch.ref_log_probs,
                         batch.response_mask, self.kl_ctrl.value, algo.kl_penalty,
                     )  # fmt: skip
                     self.kl_ctrl.update(current_kl, n_steps=len(batch))
@@ -205,18 +208,11 @@ class PPOTrainer:
                     gamma=algo.gamma, norm_by_std=algo.norm_adv_by_std_in_grpo,
                     baseline_scores=baselines,
                 )  # fmt: skip
-                if algo.tis_cap is not None:
-                    batch.advantages, tis = truncated_importance_weighting(
-                        batch.advantages, batch.tensor("old_log_probs"), batch.tensor("rollout_log_probs"),
-                        batch.response_mask, algo.tis_cap,
-                    )  # fmt: skip
-                    metrics.update(tis)
-            # 6. actor update, then weight sync to the engines
+            # 6. actor update (advantages weighted by truncated IS there), then weight sync to the engines
             with timer("update"):
-                results = self.ranks.call("update", self._update_shards(batch, shards, kept))
-                if on_policy:  # the update computed them (for the rollout/log_prob_diff metrics)
-                    batch.old_log_probs = gather_rows(shards, [old for _, old in results], n)
+                results = self.ranks.call("update", update_inputs(batch, shards))
             metrics.update(_mean_over_ranks([m for m, _ in results]))
+            metrics.update(combine_drift([drift for _, drift in results]))
         if self.image_refs is not None:
             self.image_refs.clear()  # the ranks' updates released theirs
         metrics.update(batch_metrics(batch, self.config.data.max_response_length))
@@ -230,26 +226,6 @@ class PPOTrainer:
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
 
-    @staticmethod
-    def _update_shards(
-        batch: RolloutBatch, shards: list[list[int]], kept: bool
-    ) -> list[RolloutBatch | KeptRows]:
-        """Each rank's update input: when the log-prob pass kept the rows there, just their ids and
-        the advantages, one float per row where they are one value per response (the outcome
-        estimators), else [rows, R]; the rest is on the rank. Without kept rows, the whole shard."""
-        if not kept:
-            return [batch.select(rows) for rows in shards]
-        advantages = batch.tensor("advantages")
-        per_row = one_value_per_row(advantages, batch.response_mask)
-        inputs: list[RolloutBatch | KeptRows] = []
-        for rows in shards:
-            index = torch.as_tensor(rows, dtype=torch.long)
-            if per_row is not None:
-                inputs.append(KeptRows(rows, {}, per_row={"advantages": per_row[index]}))
-            else:
-                inputs.append(KeptRows(rows, {"advantages": advantages[index]}))
-        return inputs
-
     def _check_drift(self, metrics: dict[str, float]) -> dict[str, float]:
         """Warn when the engine's log-probs and the actor's disagree (see log_prob_diff_warn)."""
         if "rollout/log_prob_diff_mean" not in metrics:
@@ -262,11 +238,15 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------ generation
     def _generate(
-        self, prompts: PromptBatch, overrides: dict[str, Any] | None = None, round_: int = 0
-    ) -> RolloutBatch:
+        self,
+        prompts: PromptBatch,
+        overrides: dict[str, Any] | None = None,
+        round_: int = 0,
+        keep: bool = True,
+    ) -> StepSamples:
         """Responses for `prompts` from every rank's engine. `round_`: the generation round of this
-        step (each round gets its own seed)."""
-        return self._merge(self._submit_generate(prompts, overrides, round_).result())
+        step (each round gets its own seed); `keep`: the ranks publish the rows for training."""
+        return self._merge(self._submit_generate(prompts, overrides, round_, keep=keep).result())
 
     def _submit_generate(
         self,
@@ -274,11 +254,12 @@ class PPOTrainer:
         overrides: dict[str, Any] | None = None,
         round_: int = 0,
         step: int | None = None,
+        keep: bool = True,
     ) -> Pending:
         """Start generating `prompts` on the engines for `step` (default: this one) and return at
         once; `_merge` the result."""
         shards, overrides = self._engine_inputs(prompts, overrides, round_, step)
-        return self.engines.submit("generate", shards, overrides=overrides)
+        return self.engines.submit("generate", shards, overrides=overrides, keep=keep)
 
     def _engine_inputs(
         self, prompts: PromptBatch, overrides: dict[str, Any] | None, round_: int, step: int | None = None
@@ -300,35 +281,37 @@ class PPOTrainer:
         overrides: dict[str, Any] | None = None,
         round_: int = 0,
         timer: PhaseTimer | None = None,
-    ) -> tuple[RolloutBatch, dict[str, float]]:
+        keep: bool = True,
+    ) -> tuple[StepSamples, dict[str, float]]:
         """Generate and score `prompts`; with `worker.reward.streaming` the groups are scored while
         the rest generate (`vlrl.trainer.scoring`), and `timing/reward` is only the wait after
         generation ended; a batch reward that has not declared `PARTIAL_BATCHES = True` gets the
-        whole batch after generation instead. Returns the scored batch and the reward metrics."""
+        whole batch after generation instead. `keep`: the ranks publish the rows for training
+        (not for validation or ReMax's greedy pass). Returns the scored samples and the reward metrics."""
         timer = timer or PhaseTimer()
         if not self.config.worker.reward.streaming or self.rewards.whole_batches:
             with timer("gen"):
-                batch = self._generate(prompts, overrides, round_)
+                batch = self._generate(prompts, overrides, round_, keep)
             with timer("reward"):
                 return batch, self._score(batch)
         shards, overrides = self._engine_inputs(prompts, overrides, round_)
         tp = self.config.worker.rollout.tensor_parallel_size
         with self.rewards.stream() as rewards:
             with timer("gen"):
-                calls = self.engines.stream("generate_stream", shards, overrides=overrides)
+                calls = self.engines.stream("generate_stream", shards, overrides=overrides, keep=keep)
                 per_rank, added = self.scorer.stream(calls, shards, tp, rewards)
                 batch = self._merge(per_rank)
             with timer("reward"):
                 return batch, self.scorer.finish(rewards, batch, added)
 
-    def _merge(self, per_rank: Sequence[RolloutBatch | None]) -> RolloutBatch:
-        return merge_rollouts(
+    def _merge(self, per_rank: Sequence[StepSamples | None]) -> StepSamples:
+        return merge_samples(
             per_rank, self.config.worker.rollout.tensor_parallel_size, self.data.pad_token_id
         )
 
     def _generate_scored_batch(
         self, timer: PhaseTimer
-    ) -> tuple[RolloutBatch, torch.Tensor | None, dict[str, float]]:
+    ) -> tuple[StepSamples, torch.Tensor | None, dict[str, float]]:
         """Generation rounds until the batch holds `rollout_batch_size` groups (`BatchFiller`):
         the batch, the ReMax baselines [N] (None for other estimators) and the metrics."""
         remax = self._remax_baselines if self.config.algorithm.adv_estimator == "remax" else None
@@ -336,7 +319,7 @@ class PPOTrainer:
 
     def _draw_round(
         self, round_: int, timer: PhaseTimer
-    ) -> tuple[PromptBatch, RolloutBatch, dict[str, float]]:
+    ) -> tuple[PromptBatch, StepSamples, dict[str, float]]:
         """One generation round, scored: a loader batch (of `mini_rollout_batch_size` prompts when
         set) generated now, or in asynchronous mode, for the first round, the batch generated
         during the last step."""
@@ -350,7 +333,7 @@ class PPOTrainer:
             metrics.update(self._score(batch))
         return prompts, batch, metrics
 
-    def _take_prefetched(self, flow: AsyncRollout) -> tuple[PromptBatch, RolloutBatch, dict[str, float]]:
+    def _take_prefetched(self, flow: AsyncRollout) -> tuple[PromptBatch, StepSamples, dict[str, float]]:
         """Asynchronous mode, the step's first generation round: the one submitted during the last
         step (or generated now), after which the engines get the trainer's weights and the next
         step's first round starts (vlrl.trainer.async_rollout). Not scored yet."""
@@ -362,8 +345,6 @@ class PPOTrainer:
             prompts = self.data.next_train_batch()
             ahead = Prefetched(self.global_step, prompts, version, batch=self._generate(prompts))
         batch = ahead.result()
-        if self.image_refs is not None:  # a batch read from a checkpoint holds pixels
-            self.image_refs.refer(batch)
         metrics["async/staleness"] = float(version - ahead.version)
         if flow.staleness > 0 and self.global_step < self.total_steps:
             metrics.update(flow.sync_engines(version))
@@ -371,13 +352,13 @@ class PPOTrainer:
             flow.submit(step, prompts_next, self._submit_generate(prompts_next, step=step), self._merge)
         return ahead.prompts, batch, metrics
 
-    def _score(self, batch: RolloutBatch) -> dict[str, float]:
+    def _score(self, batch: StepSamples) -> dict[str, float]:
         """Decode, score in the reward workers, and put the score on each response's last token."""
         return self.scorer.apply(batch, self.rewards.score(self.scorer.inputs(batch)))
 
-    def _remax_baselines(self, prompts: PromptBatch, batch: RolloutBatch, round_: int) -> torch.Tensor:
+    def _remax_baselines(self, prompts: PromptBatch, batch: StepSamples, round_: int) -> torch.Tensor:
         """ReMax: each sample's baseline is the reward of a greedy response to its prompt. [N]"""
-        greedy, _ = self._generate_and_score(prompts, {"n": 1, "temperature": 0.0}, round_)
+        greedy, _ = self._generate_and_score(prompts, {"n": 1, "temperature": 0.0}, round_, keep=False)
         by_uid = {
             uid: parts["overall"] for uid, parts in zip(greedy.group_ids.tolist(), greedy.scored_parts())
         }
@@ -395,7 +376,7 @@ class PPOTrainer:
         start = time.perf_counter()
         assert self.data.val_loader is not None  # the loop validates only when there is val data
         for prompts in self.data.val_loader:
-            batch, _ = self._generate_and_score(prompts, overrides)
+            batch, _ = self._generate_and_score(prompts, overrides, keep=False)
             parts.extend(batch.scored_parts())
             lengths.extend(batch.response_mask.sum(-1).tolist())
             trajectories.extend(batch.trajectories or [])
@@ -414,8 +395,8 @@ class PPOTrainer:
             )
         return metrics
 
-    def _generation_samples(self, batch: RolloutBatch) -> list[dict[str, Any]]:
-        lengths = batch.attention_mask[:, batch.prompt_length :].sum(-1).tolist()  # multi-turn: all turns
+    def _generation_samples(self, batch: StepSamples) -> list[dict[str, Any]]:
+        lengths = batch.turn_lengths.tolist()  # multi-turn: all turns
         return [
             {"prompt": prompt, "response": self.tokenizer.decode(row[:n], skip_special_tokens=True),
              "ground_truth": truth, "score": parts.get("overall")}
@@ -430,7 +411,7 @@ class PPOTrainer:
         def write_actor(folder: str) -> None:
             self.ranks.call_all("save_checkpoint", folder, model_only)
             if self.async_rollout is not None:  # the generation in flight, for an exact resume
-                self.async_rollout.save(os.path.dirname(folder), self._fetch_media)
+                self.async_rollout.save(os.path.dirname(folder), self._fetch_media, self._rows_of)
 
         state = {
             "dataloader": self.data.state_dict(),
@@ -468,7 +449,7 @@ class PPOTrainer:
             )
         self.ranks.call_all("load_checkpoint", os.path.join(path, "actor"))
         if self.async_rollout is not None:
-            self.async_rollout.load(path)
+            self.async_rollout.load(path, self._publish)
         self.data.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
         self.global_step = state["global_step"]
@@ -478,6 +459,16 @@ class PPOTrainer:
     def _fetch_media(self, images: list[list[Any]]) -> list[list[Any]]:
         """The images or videos behind references (to write them into a checkpoint)."""
         return images if self.image_refs is None else self.image_refs.resolve(images)
+
+    def _rows_of(self, samples: StepSamples) -> RolloutBatch:
+        """All the rows of `samples`, fetched from where they are held (to write them into a checkpoint)."""
+        return take(take_plan(samples.held, list(range(len(samples)))), self.data.pad_token_id)
+
+    def _publish(self, batch: RolloutBatch) -> StepSamples:
+        """Rows read from a checkpoint, published by the driver (images as references) for the ranks."""
+        if self.image_refs is not None:
+            self.image_refs.refer(batch)
+        return StepSamples.of(batch, publish(batch))
 
     def close(self) -> None:
         self.tracker.close()

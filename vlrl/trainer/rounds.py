@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from vlrl.algorithms import filter_groups
-from vlrl.batch.rows import PromptBatch, RolloutBatch
-from vlrl.trainer.dispatch import merge_rollouts
+from vlrl.batch.rows import PromptBatch
+from vlrl.batch.samples import StepSamples
 
 # round index (0 first) -> (its prompts, its scored batch, its metrics)
-DrawRound = Callable[[int], tuple[PromptBatch, RolloutBatch, dict[str, float]]]
+DrawRound = Callable[[int], tuple[PromptBatch, StepSamples, dict[str, float]]]
 # (prompts, their scored batch, round index) -> each sample's baseline score [N] (ReMax)
-Baselines = Callable[[PromptBatch, RolloutBatch, int], torch.Tensor]
+Baselines = Callable[[PromptBatch, StepSamples, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,12 @@ class BatchFiller:
 
     def fill(
         self, draw_round: DrawRound, baselines: Baselines | None = None
-    ) -> tuple[RolloutBatch, torch.Tensor | None, dict[str, float]]:
+    ) -> tuple[StepSamples, torch.Tensor | None, dict[str, float]]:
         """Draw rounds until the kept groups reach the target; the excess is cut off. Returns the
         batch (`target_groups * n` rows), the baselines [N] (None without `baselines`) and the
         metrics: the first round's (what the policy does, before filtering) and the filter's."""
         algo = self.algorithm
-        kept: list[RolloutBatch] = []
+        kept: list[StepSamples] = []
         kept_baselines: list[torch.Tensor] = []
         metrics: dict[str, float] = {}
         n_groups = tries = 0
@@ -74,13 +74,13 @@ class BatchFiller:
         if algo.online_filtering:
             metrics["filter/tries"] = float(tries)
         size = self.target_groups * self.n
-        merged = kept[0] if len(kept) == 1 else merge_rollouts(kept, 1, self.pad_token_id)
+        merged = kept[0] if len(kept) == 1 else StepSamples.join(kept, self.pad_token_id)
         if len(merged) > size:
             merged = merged.select(list(range(size)))
         baseline = torch.cat(kept_baselines)[:size] if kept_baselines else None
         return merged, baseline, metrics
 
-    def _filter_values(self, batch: RolloutBatch) -> torch.Tensor:
+    def _filter_values(self, batch: StepSamples) -> torch.Tensor:
         """Each sample's `algorithm.filter_key` reward part; an error naming the parts the reward
         function returns when it has no such part (instead of filtering every group out)."""
         key, scored = self.algorithm.filter_key, batch.scored_parts()

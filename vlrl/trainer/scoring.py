@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from vlrl.batch.rows import FinishedGroups, PromptBatch, RolloutBatch
+from vlrl.batch.samples import StepSamples
 from vlrl.rewards import RewardInput, RewardResult, build_reward_inputs, scores_to_token_level
 from vlrl.rewards.runner import RewardStream
 from vlrl.rollout.output import assemble_rollout_batch
@@ -35,7 +36,7 @@ class BatchScorer:
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.pad_token_id, self.eos_token_ids = pad_token_id, eos_token_ids
 
-    def inputs(self, batch: RolloutBatch) -> list[RewardInput]:
+    def inputs(self, batch: RolloutBatch | StepSamples) -> list[RewardInput]:
         """Each row's `RewardInput`: the decoded response (multi-turn: the final answer, with the
         whole trajectory in the extras), its length, prompt, ground truth and extras."""
         lengths = batch.response_mask.sum(-1).tolist()
@@ -57,7 +58,7 @@ class BatchScorer:
         )
 
     @staticmethod
-    def apply(batch: RolloutBatch, result: RewardResult) -> dict[str, float]:
+    def apply(batch: StepSamples, result: RewardResult) -> dict[str, float]:
         """Put the scores on `batch` (the overall one on each response's last token); the metrics."""
         batch.reward_parts = result.scores
         overall = torch.tensor([s["overall"] for s in result.scores], dtype=torch.float32)
@@ -66,18 +67,18 @@ class BatchScorer:
 
     def stream(
         self, calls: RankStream, shards: list[PromptBatch], tp_size: int, scorer: RewardStream
-    ) -> tuple[list[RolloutBatch | None], set[int]]:
+    ) -> tuple[list[StepSamples | None], set[int]]:
         """Drain the ranks' `generate_stream` calls, adding each finished group to `scorer` at its
         rows in the merged batch (sample j of the shard's prompt p -> (offset + p) * n + j).
 
-        Returns every rank's batch (None from the tensor-parallel peers that are not their group's
+        Returns every rank's samples (None from the tensor-parallel peers that are not their group's
         first rank: they report nothing) and the rows added."""
         offsets = prompt_offsets(shards, tp_size)
-        batches: dict[int, RolloutBatch] = {}
+        batches: dict[int, StepSamples] = {}
         added: set[int] = set()
         while not calls.done:
             for rank, item in calls.poll(POLL_S):
-                if isinstance(item, RolloutBatch):
+                if isinstance(item, StepSamples):
                     batches[rank] = item
                 elif rank % tp_size == 0:
                     rows = merged_rows(item, offsets[rank])
@@ -86,7 +87,7 @@ class BatchScorer:
             scorer.pump(0.0)
         return [batches.get(rank) for rank in range(len(shards))], added
 
-    def finish(self, scorer: RewardStream, batch: RolloutBatch, added: set[int]) -> dict[str, float]:
+    def finish(self, scorer: RewardStream, batch: StepSamples, added: set[int]) -> dict[str, float]:
         """Score the rows of the merged `batch` nobody streamed, wait for all, apply; the metrics."""
         missing = [row for row in range(len(batch)) if row not in added]
         if missing:
@@ -97,7 +98,7 @@ class BatchScorer:
 
 def prompt_offsets(shards: list[PromptBatch], tp_size: int) -> list[int]:
     """Per rank: how many prompts the data-parallel groups before its own hold (its first
-    prompt's index in the merged batch; `merge_rollouts` concatenates the groups in order)."""
+    prompt's index in the merged batch; `PPOTrainer._merge` joins the groups in order)."""
     offsets, total = [], 0
     for rank, shard in enumerate(shards):
         offsets.append(total)

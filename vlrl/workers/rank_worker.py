@@ -16,14 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vlrl.algorithms.importance import log_prob_drift, truncated_importance_weighting
+from vlrl.batch.held import TakePlan, publish, take
 from vlrl.batch.image_refs import ImageRefs
-from vlrl.batch.rows import (
-    FinishedGroups,
-    KeptRows,
-    PromptBatch,
-    RolloutBatch,
-    spread_over_response,
-)
+from vlrl.batch.rows import FinishedGroups, KeptRows, PromptBatch, RolloutBatch, spread_over_response
+from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
 from vlrl.rollout.weight_broadcast import WeightBroadcast
 from vlrl.utils.gpu_driver import check_torch_sees_cuda
@@ -74,9 +71,9 @@ class RankWorker:
         self.actor: Actor
         self.rollout: RolloutEngine
         self.reference: Reference | AdapterOffReference | None = None
-        # this step's shard and its log-probs, kept by the log-prob pass for the update (which then
-        # gets only row ids and advantages from the driver): the step's row id of each row, and the
-        # rows. Emptied by the update.
+        # this step's shard and its log-probs, kept by `take_rows` for the update (which then gets
+        # only row ids and advantages from the driver): the step's row id of each row, and the rows.
+        # Emptied by the update.
         self.kept_rows: list[int] = []
         self.kept: RolloutBatch | None = None
         # under Ray, batches carry image references (vlrl.batch.image_refs); in-process, the images themselves
@@ -90,12 +87,14 @@ class RankWorker:
         `optimizer_steps`: of the whole run (for the LR schedule)."""
         from vlrl.models.processor import load_processor
         from vlrl.rollout import create_rollout_engine
+        from vlrl.rollout.base import pad_token_id
         from vlrl.workers.from_config import build_actor, build_reference
 
         model = self.config.worker.actor.model
         tokenizer, processor = load_processor(
             model.tokenizer_path or model.model_path, self.config.data.override_chat_template
         )
+        self.pad_token_id = pad_token_id(tokenizer)  # the engines' (rows taken from them are padded with it)
         if self.role != "train":
             self.rollout = create_rollout_engine(
                 self.config.worker.rollout, self.config.data, model.model_path, tokenizer, processor,
@@ -121,20 +120,26 @@ class RankWorker:
         )
 
     # ------------------------------------------------------------------------- step phases
-    def generate(self, prompts: PromptBatch, overrides: dict[str, Any] | None = None) -> RolloutBatch | None:
+    def generate(
+        self, prompts: PromptBatch, overrides: dict[str, Any] | None = None, keep: bool = True
+    ) -> StepSamples | None:
         """Sample responses for this rank's prompts (its data-parallel shard); None on a
-        tensor-parallel peer that is not its group's first rank (the first returns the same rows)."""
-        *_, batch = self.generate_stream(prompts, overrides)
-        assert batch is None or isinstance(batch, RolloutBatch)
-        return batch
+        tensor-parallel peer that is not its group's first rank (the first reports the same rows)."""
+        *_, samples = self.generate_stream(prompts, overrides, keep)
+        assert samples is None or isinstance(samples, StepSamples)
+        return samples
 
     def generate_stream(
-        self, prompts: PromptBatch, overrides: dict[str, Any] | None = None
-    ) -> Iterator[FinishedGroups | RolloutBatch | None]:
-        """`generate`, reporting groups as they finish, then the batch (as a Ray streaming
+        self, prompts: PromptBatch, overrides: dict[str, Any] | None = None, keep: bool = True
+    ) -> Iterator[FinishedGroups | StepSamples | None]:
+        """`generate`, reporting groups as they finish, then the samples (as a Ray streaming
         generator the driver scores those groups while the rest are still generating). Only the
         first rank of a tensor-parallel group reports: its peers run the same engine on the same
-        prompts, and yield None at the end instead of a copy of the rows.
+        prompts, and yield None at the end instead.
+
+        The rows stay here: with `keep` the batch is published (`vlrl.batch.held`) and the driver
+        gets `StepSamples` that say where it is; the training ranks take their rows from it. Without
+        `keep` (validation, ReMax's greedy pass) nothing is published.
 
         On a hybrid rank the actor's shards leave the GPU first (`worker.actor.offload`) and the
         allocator's cached blocks are released, so the engine can wake into that memory; the engine
@@ -162,9 +167,9 @@ class RankWorker:
         if not self._reports_rollouts():
             yield None
             return
-        if self.image_refs is not None:  # the driver gets references back (tool images are stored here)
+        if self.image_refs is not None:  # the batch holds references (tool images are stored here)
             self.image_refs.refer(batch)
-        yield batch
+        yield StepSamples.of(batch, publish(batch) if keep else None)
 
     def _reports_rollouts(self) -> bool:
         """Whether this rank returns its engine's rollouts: the first rank of its tensor-parallel
@@ -182,55 +187,73 @@ class RankWorker:
         if self.image_refs is not None:
             self.image_refs.fetch(batch)
 
-    def compute_log_probs(
-        self, batch: RolloutBatch, keep_rows: list[int] | None = None, with_old: bool = True
+    def take_rows(
+        self, plan: TakePlan, rows: list[int], with_old: bool = True, log_probs_back: bool = False
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Old-policy (unless not `with_old`) and (when KL is on) reference log-probs: [N, R] or None.
+        """Take this rank's rows of the step (`plan`: from the generating ranks' published batches;
+        `rows`: their step row ids) and keep them for the update, with the old-policy (unless not
+        `with_old`: on-policy, the update computes them) and, when KL is on, reference log-probs.
 
-        `keep_rows`: the step's row ids of `batch`; the rows and their log-probs are kept for the
-        update, which the driver then sends `KeptRows` instead of the whole shard again."""
+        Returns (old, ref) [rows, R] when `log_probs_back` (the driver puts a KL penalty in the
+        reward), else (None, None): everything stays here."""
+        batch = take(plan, self.pad_token_id)
         self._fetch_media(batch)
         temperature = self.config.worker.rollout.temperature
         old = self.actor.compute_log_probs(batch, temperature) if with_old else None
         ref = self.reference.compute_log_probs(batch, temperature) if self.reference is not None else None
-        if keep_rows is not None:  # replaces what a step that failed before its update left
-            batch.old_log_probs, batch.ref_log_probs = old, ref
-            self.kept_rows, self.kept = list(keep_rows), batch
-        return old, ref
+        batch.old_log_probs, batch.ref_log_probs = old, ref
+        self.kept_rows, self.kept = (
+            list(rows),
+            batch,
+        )  # replaces what a step that failed before its update left
+        return (old, ref) if log_probs_back else (None, None)
 
-    def update(self, batch: RolloutBatch | KeptRows) -> tuple[dict[str, float], torch.Tensor | None]:
-        """One PPO update on this rank's shard, then push the new weights to the engine.
+    def update(self, kept: KeptRows) -> tuple[dict[str, float], dict[str, float]]:
+        """One PPO update on the rows `take_rows` kept here, then push the new weights to the engine.
 
-        With `algorithm.old_policy=rollout` the engine's log-probs are the old ones. Returns the
-        metrics and, when the batch came without old log-probs
-        (`config.on_policy_update`), those the update computed [N, R]; else None (the driver has them)."""
-        if isinstance(batch, KeptRows):
-            batch = self._kept_batch(batch)
-        else:
-            self._fetch_media(batch)
-        if self.config.algorithm.old_policy == "rollout":  # the ratio from the policy that sampled
+        With `algorithm.tis_cap` the advantages are weighted by the truncated importance ratio here;
+        with `algorithm.old_policy=rollout` the engine's log-probs are the old ones. Returns the
+        update's metrics and the engine-vs-actor drift of the sampled tokens' log-probs
+        (`log_prob_drift`: its mean, max and token count; {} without engine log-probs)."""
+        batch = self._kept_batch(kept)
+        algo = self.config.algorithm
+        drift: dict[str, float] = {}
+        if batch.old_log_probs is not None and batch.rollout_log_probs is not None:
+            drift = log_prob_drift(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask)
+        tis: dict[str, float] = {}
+        if algo.tis_cap is not None:
+            batch.advantages, tis = truncated_importance_weighting(
+                batch.tensor("advantages"), batch.tensor("old_log_probs"),
+                batch.tensor("rollout_log_probs"), batch.response_mask, algo.tis_cap,
+            )  # fmt: skip
+        if algo.old_policy == "rollout":  # the ratio from the policy that sampled
             batch.old_log_probs = batch.tensor("rollout_log_probs")
         try:
             metrics = self.actor.update_policy(batch, on_policy=self.config.on_policy_update)
         finally:
             self.kept_rows, self.kept = [], None
             self.release_images()
+        if self.config.on_policy_update and batch.rollout_log_probs is not None:  # old ones computed now
+            drift = log_prob_drift(
+                batch.rollout_log_probs, batch.tensor("old_log_probs"), batch.response_mask
+            )
+        metrics.update(tis)
         if self.role == "hybrid":
             metrics.update(self.sync_weights())
-        return metrics, batch.old_log_probs if self.config.on_policy_update else None
+        return metrics, drift
 
     def _kept_batch(self, kept: KeptRows) -> RolloutBatch:
-        """The shard the log-prob pass kept, in `kept.rows` order, with the driver's new columns."""
+        """The shard `take_rows` kept, in `kept.rows` order, with the driver's new columns."""
         position = {row: i for i, row in enumerate(self.kept_rows)}
         missing = [row for row in kept.rows if row not in position]
         if self.kept is None or missing:
             raise RuntimeError(
                 f"rank {self.rank}: the update names rows {missing[:5] or kept.rows[:5]} that this step's "
-                "log-prob pass did not keep here (compute_log_probs must run first, with the same shards)"
+                "take_rows did not keep here (take_rows must run first, with the same rows)"
             )
         batch = self.kept.select([position[row] for row in kept.rows])
         for name, value in kept.columns.items():
-            setattr(batch, name, value)
+            setattr(batch, name, _to_width(value, batch.responses.shape[1]))
         for name, value in kept.per_row.items():
             setattr(batch, name, spread_over_response(value, batch.response_mask))
         return batch
@@ -357,6 +380,14 @@ def process_group_backend(device: str) -> str:
     only the devices in `Backend.backend_capability`, which for nccl is ["cuda"]), so those calls
     would fail with "No backend type associated with device type cpu"."""
     return "cuda:nccl,cpu:gloo" if device == "cuda" else "gloo"
+
+
+def _to_width(values: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, R'] per-token values from the driver (R' = the step's widest response) cut or padded
+    to this rank's widest response R (the columns past it are padding)."""
+    if values.shape[1] >= width:
+        return values[:, :width]
+    return torch.nn.functional.pad(values, (0, width - values.shape[1]))
 
 
 def _release_cached_memory(device: torch.device) -> None:

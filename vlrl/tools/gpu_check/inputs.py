@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from vlrl.batch.rows import PromptBatch, RolloutBatch
+from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
 
 WORDS = "what colour is the shape how many circles are there answer one word".split()
@@ -115,11 +116,10 @@ def training_fields(batch: RolloutBatch, seed: int = 0) -> RolloutBatch:
     n, r = batch.responses.shape
     sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
     batch.advantages = sign[:, None] * batch.response_mask.float()
-    batch.returns = batch.advantages.clone()
     return batch
 
 
-def scores_on_last_token(batch: RolloutBatch, seed: int = 0) -> torch.Tensor:
+def scores_on_last_token(batch: RolloutBatch | StepSamples, seed: int = 0) -> torch.Tensor:
     """[N, R] a random 0/1 score on each sample's last response token (a stand-in reward)."""
     gen = torch.Generator().manual_seed(seed)
     n, r = batch.responses.shape

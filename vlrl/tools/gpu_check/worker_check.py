@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+from vlrl.batch.held import take_plan
+from vlrl.batch.rows import KeptRows, one_value_per_row
+from vlrl.batch.samples import StepSamples
 from vlrl.tools.gpu_check.context import Context, memory, sync, world_env
 from vlrl.tools.gpu_check.inputs import make_config, prompt_batch, scores_on_last_token
 from vlrl.tools.gpu_check.report import Outcome
@@ -112,16 +115,17 @@ def check_rank_worker(ctx: Context, outcome: Outcome) -> None:
         # On CUDA the reference keeps bf16 weights while the actor computes in bf16 from fp32 masters.
         outcome.expect(ref_gap <= (0.1 if ctx.cuda else 1e-5), f"reference vs untouched actor: {ref_gap:.3g}")
         outcome.expect(bool(torch.isfinite(old).all()), "non-finite old log-probs")
-        batch.old_log_probs, batch.ref_log_probs = old, ref
-        batch.token_level_scores = batch.token_level_rewards = scores_on_last_token(batch, ctx.seed)
-        batch.advantages, batch.returns = compute_advantages(
-            "grpo", batch.token_level_rewards, mask, batch.group_ids, norm_by_std=True
-        )
+        scores = scores_on_last_token(batch, ctx.seed)
+        advantages, _ = compute_advantages("grpo", scores, mask, batch.group_ids, norm_by_std=True)
+        per_row = one_value_per_row(advantages, mask)
+        assert per_row is not None  # GRPO: one value per response
+        kept = KeptRows(list(range(len(batch))), {}, per_row={"advantages": per_row})
 
         metrics = []
         for i in range(UPDATES):
             t = time.perf_counter()
-            step_metrics, _ = worker.update(batch)
+            _old_and_ref(worker, batch)  # the update trains on the rows take_rows kept
+            step_metrics, _ = worker.update(kept)
             phase(f"update_{i + 1}", t)
             metrics.append({k: step_metrics.get(k) for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm",
                                                              "perf/actor_tokens_per_s")})  # fmt: skip
@@ -145,7 +149,8 @@ def check_rank_worker(ctx: Context, outcome: Outcome) -> None:
         worker.save_checkpoint(ckpt, model_only=False)
         phase("checkpoint", t)
 
-        worker.update(batch)  # move away from the saved state, so resume has something to restore
+        _old_and_ref(worker, batch)
+        worker.update(kept)  # move away from the saved state, so resume has something to restore
         after_extra, _ = _old_and_ref(worker, batch)
         t = time.perf_counter()
         worker.load_checkpoint(ckpt)
@@ -201,8 +206,10 @@ def _saved_weight_gap(folder: str, state: dict[str, torch.Tensor], hf_config: An
     return max(float((saved[k].float() - v.float()).abs().max()) for k, v in state.items())
 
 
-def _old_and_ref(worker: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rank worker's old (always asked for) and reference log-probs [N, R]."""
-    old, ref = worker.compute_log_probs(batch, with_old=True)
+def _old_and_ref(worker: Any, samples: StepSamples) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rank worker's old (always asked for) and reference log-probs [N, R] of all the rows it
+    generated, which it then keeps for an update (as in a step: `take_rows`)."""
+    rows = list(range(len(samples)))
+    old, ref = worker.take_rows(take_plan(samples.held, rows), rows, with_old=True, log_probs_back=True)
     assert old is not None
     return old, ref
