@@ -105,10 +105,13 @@ def synthetic_bytes(
         out["log_probs"] += sum(nbytes(take_plan(step.held, rows)) for rows in shards)
     else:
         out["generate"] += sum(nbytes(part) for part in parts)
-        batch.token_level_scores = torch.zeros(batch.responses.shape)  # scored on the driver, then sent
-        batch.reward_parts = [{"overall": 1.0}] * len(batch)
         shards = balanced_shards(batch.attention_mask.sum(-1), world)
-        out["log_probs"] += sum(nbytes(batch.select(rows)) for rows in shards)
+        # each shard carried the rows and the driver's scores on them ([rows, R] float32, reward parts)
+        width = batch.responses.shape[1]
+        out["log_probs"] += sum(
+            nbytes((batch.select(rows), torch.zeros(len(rows), width), [{"overall": 1.0}] * len(rows)))
+            for rows in shards
+        )
         step = StepSamples.of(batch, None)
     width = batch.responses.shape[1]
     if kl_in_reward or not held:  # old + ref back

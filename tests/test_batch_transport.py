@@ -7,6 +7,7 @@ import pickle
 import torch
 
 from vlrl.batch.rows import Narrowed, RolloutBatch, narrow, widen
+from vlrl.batch.samples import Ragged, StepSamples
 
 
 def _batch(rows: int = 16, p: int = 40, r: int = 24) -> RolloutBatch:
@@ -43,3 +44,46 @@ def test_int64_fields_travel_narrow() -> None:
     batch = _batch(rows=64, p=400, r=200)
     plain = len(pickle.dumps({k: v for k, v in batch.__dict__.items()}))  # the fields as they are
     assert len(pickle.dumps(batch)) < 0.5 * plain
+
+
+def _samples(responses: torch.Tensor, mask: torch.Tensor, turns: list[int]) -> StepSamples:
+    n = len(turns)
+    return StepSamples(
+        responses=responses, response_mask=mask, group_ids=torch.arange(n), prompt_lengths=torch.full((n,), 5),
+        turn_lengths=torch.tensor(turns), prompts=["p"] * n, ground_truths=[None] * n, extras=[{}] * n, held=[None] * n,
+    )  # fmt: skip
+
+
+def _assert_round_trip(samples: StepSamples) -> int:
+    back = pickle.loads(pickle.dumps(samples))
+    for name in ("responses", "response_mask", "turn_lengths"):
+        value = getattr(samples, name)
+        assert getattr(back, name).dtype == value.dtype and torch.equal(getattr(back, name), value), name
+    return len(pickle.dumps(samples))
+
+
+def test_the_drivers_samples_travel_ragged_and_arrive_equal() -> None:
+    """A rank reports responses of very different lengths: the padding is left out on the way,
+    so the bytes follow the tokens (here 1 long response among short ones), not N x the longest."""
+    turns = [400] + [8] * 31
+    responses = torch.full((32, 400), 7)  # pad id 7
+    responses[torch.arange(400)[None] < torch.tensor(turns)[:, None]] = 151_000  # real tokens
+    mask = (torch.arange(400)[None] < torch.tensor(turns)[:, None]).long()
+    ragged = _assert_round_trip(_samples(responses, mask, turns))
+    assert ragged < 32 * 400  # less than one byte per padded entry: ~5 bytes x 648 tokens
+    # multi-turn: holes (tool results) inside a row's mask travel as they are
+    mask[0, 10:20] = 0
+    _assert_round_trip(_samples(responses, mask, turns))
+
+
+def test_samples_that_are_not_ragged_by_their_lengths_travel_whole() -> None:
+    """Entries past a row's length that are not padding (a token after EOS, say) keep the dense form."""
+    responses, mask = torch.full((2, 4), 7), torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
+    responses[0, 3] = 9  # past row 0's length 2, not the pad id
+    samples = _samples(responses, mask, [2, 1])
+    assert Ragged.pack(samples.responses, samples.turn_lengths, None) is None
+    assert Ragged.pack(samples.response_mask, samples.turn_lengths, 0) is not None
+    _assert_round_trip(samples)
+    full = _samples(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), [3, 3])
+    assert Ragged.pack(full.responses, full.turn_lengths, None) is None  # nothing to leave out
+    _assert_round_trip(full)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlrl.rewards.loading import load_function
 from vlrl.rollout.multi_turn.tool_config import read_tool_config
 from vlrl.rollout.multi_turn.tool_pool import ToolPool
+from vlrl.user_code.loading import load_function
 
 TOOLS = Path(__file__).resolve().parents[2] / "examples" / "tools"
 calculate = load_function(f"{TOOLS / 'calculator.py'}:calculate", "tool")[0]

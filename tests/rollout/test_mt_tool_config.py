@@ -10,9 +10,9 @@ import yaml
 
 from vlrl.config import ConfigError, MultiTurnConfig
 from vlrl.config.loader import load_config
-from vlrl.rewards.types import RewardLoadError
 from vlrl.rollout.multi_turn.tool_config import ToolConfigError, read_tool_config, tool_entries
 from vlrl.rollout.multi_turn.tool_pool import ToolPool
+from vlrl.user_code.loading import UserCodeError
 
 TOOLS = Path(__file__).with_name("mt_tools.py")
 ADD_SCHEMA = {
@@ -121,7 +121,7 @@ def test_schema_must_fit_the_signature(tmp_path, function, parameters, message):
     path = write(
         tmp_path, [{"callable": f"mt_tools.py:{function}", "tool_schema": with_schema(parameters=parameters)}]
     )
-    with pytest.raises(RewardLoadError, match=message) as info:
+    with pytest.raises(UserCodeError, match=message) as info:
         ToolPool(read_tool_config(path), workers=1)
     if function != "missing":
         assert path in str(info.value) and "tool 'plus'" in str(info.value)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from vlrl.rewards.types import RewardLoadError
 from vlrl.rollout.multi_turn.parsing import ToolCall, ToolCallError, parse_tool_call
 from vlrl.rollout.multi_turn.tool_pool import ToolPool
+from vlrl.user_code.loading import UserCodeError
 
 TOOLS = str(Path(__file__).with_name("mt_tools.py"))
 NAMES = ["add", "show", "secret", "boom", "hang", "slow", "crash", "bad_return"]
@@ -115,7 +115,7 @@ def test_submitted_calls_are_polled_as_they_finish(pool):
 def test_bad_tool_file_fails_at_start_up(tmp_path):
     bad = tmp_path / "t.py"
     bad.write_text("import no_such_module\n")
-    with pytest.raises(RewardLoadError, match="tool file .*t.py failed to import"):
+    with pytest.raises(UserCodeError, match="tool file .*t.py failed to import"):
         ToolPool([f"{bad}:f"], workers=1)
-    with pytest.raises(RewardLoadError, match="function 'missing' not found"):
+    with pytest.raises(UserCodeError, match="function 'missing' not found"):
         ToolPool([f"{TOOLS}:missing"], workers=1)

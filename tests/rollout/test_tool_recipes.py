@@ -13,7 +13,7 @@ from example_scripts import load_example
 from PIL import Image
 
 from vlrl.config.loader import load_config
-from vlrl.rewards.loading import load_function
+from vlrl.user_code.loading import load_function
 
 REPO = Path(__file__).resolve().parents[2]
 calculate = load_function(f"{REPO}/examples/tools/calculator.py:calculate", "tool")[0]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from vlrl.batch.held import Held
-from vlrl.batch.rows import RolloutBatch, SampleBatch
+from vlrl.batch.rows import RolloutBatch, SampleBatch, narrow, widen
 
 # Driver-side [N, R] fields, padded together when samples of different response widths are joined.
 SAMPLE_RESPONSE_FIELDS = (
@@ -26,7 +26,22 @@ SAMPLE_RESPONSE_FIELDS = (
 @dataclass
 class StepSamples(SampleBatch):
     """N samples (group members adjacent), R = longest response. The reward function reads the
-    responses, so their token ids come to the driver; nothing else of the sequences does."""
+    responses, so their token ids come to the driver; nothing else of the sequences does.
+
+    Pickled (a generating rank's report to the driver), `responses` and `response_mask` travel
+    ragged (`Ragged`: each row's first `turn_lengths` entries, the padding left out), so their bytes
+    follow the tokens generated rather than N x the longest response."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name, fill in (("responses", None), ("response_mask", 0)):
+            packed = Ragged.pack(getattr(self, name), self.turn_lengths, fill)
+            if packed is not None:
+                state[name] = packed
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__({k: v.unpack() if isinstance(v, Ragged) else v for k, v in state.items()})
 
     responses: torch.Tensor  # [N, R] response token ids, right-padded with the pad id
     response_mask: torch.Tensor  # [N, R] 1 up to and including the first EOS (multi-turn: sampled tokens)
@@ -76,6 +91,43 @@ class StepSamples(SampleBatch):
         parts = [p for p in parts if len(p) > 0] or parts[:1]
         width = max(p.responses.shape[1] for p in parts)
         return cls.concat([_pad_responses(p, width, pad_token_id) for p in parts])
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """An [N, W] tensor as its rows' leading `lengths[i]` entries (flat, in the narrowest exact
+    dtype; or one number when they are all equal, as a mask without holes) and the one value every
+    other entry holds; `unpack` gives it back exactly."""
+
+    values: Any  # [sum(lengths)] (a `Narrowed` int64 tensor in transit), or the one value they all have
+    lengths: Any  # [N]
+    width: int
+    fill: float | int
+    dtype: torch.dtype
+
+    @classmethod
+    def pack(cls, x: torch.Tensor, lengths: torch.Tensor, fill: float | int | None) -> Ragged | None:
+        """`x` [N, W] ragged by `lengths` [N], or None when that would not be exact (the entries past
+        a row's length are not all `fill`; None: the value of the first such entry) or gains nothing."""
+        inside = torch.arange(x.shape[1]) < lengths.unsqueeze(-1)  # [N, W]
+        outside = x[~inside]
+        if outside.numel() == 0:
+            return None
+        fill = outside[0].item() if fill is None else fill
+        if not bool((outside == fill).all()):
+            return None
+        values = x[inside]
+        same = values.numel() > 0 and bool((values == values[0]).all())
+        return cls(values[0].item() if same else narrow(values), narrow(lengths), x.shape[1], fill, x.dtype)
+
+    def unpack(self) -> torch.Tensor:
+        lengths = widen(self.lengths)
+        out = torch.full((len(lengths), self.width), self.fill, dtype=self.dtype)
+        inside = torch.arange(self.width) < lengths.unsqueeze(-1)
+        out[inside] = (
+            self.values if isinstance(self.values, (int, float)) else widen(self.values).to(self.dtype)
+        )
+        return out
 
 
 def _pad_responses(samples: StepSamples, width: int, pad_id: int) -> StepSamples:

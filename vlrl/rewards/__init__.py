@@ -11,7 +11,7 @@ See docs/rewards.md for how to write one. Public API:
 Importing this package does not import torch (reward worker processes import it too).
 """
 
-from vlrl.rewards.loading import LoadedReward, check_kwargs, load_reward_function, parse_spec
+from vlrl.rewards.loading import LoadedReward, check_kwargs, load_reward_function
 from vlrl.rewards.runner import RewardRunner
 from vlrl.rewards.token_level import scores_to_token_level
 from vlrl.rewards.types import (
@@ -23,6 +23,7 @@ from vlrl.rewards.types import (
     RewardResult,
     build_reward_inputs,
 )
+from vlrl.user_code.loading import parse_spec
 
 __all__ = [
     "RESERVED_KEYS",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import pickle
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -23,10 +24,11 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from vlrl.rewards.calling import Outcome, call_batch, call_one, guarded
-from vlrl.rewards.loading import LoadedReward, check_kwargs, load_reward_function, resolve_spec
-from vlrl.rewards.memory import describe_exit, describe_timeout
-from vlrl.rewards.types import RewardError, RewardFailure, RewardInput, RewardResult
-from vlrl.rewards.worker_process import STARTUP_TIMEOUT, WorkerProcess, idle_workers
+from vlrl.rewards.loading import LoadedReward, check_kwargs, load_reward_function, reward_file
+from vlrl.rewards.types import RewardError, RewardFailure, RewardInput, RewardLoadError, RewardResult
+from vlrl.rewards.worker import worker_main
+from vlrl.user_code.memory import describe_exit, describe_timeout
+from vlrl.user_code.worker_process import STARTUP_TIMEOUT, WorkerProcess, idle_workers
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +126,7 @@ class RewardRunner:
         else:
             # The workers load the file; the training process never runs the user's module code
             # (which may import heavy libraries or load a model). A missing file fails before spawning.
-            resolve_spec(config.reward_function)
+            reward_file(config.reward_function)
             self._start_all()
 
     @property
@@ -149,7 +151,11 @@ class RewardRunner:
                     calls if self.reward_type == "batch" else "one sample per call")  # fmt: skip
 
     def _new_worker(self, slot: int) -> WorkerProcess:
-        return WorkerProcess(self._ctx, self.config, self.kwargs, slot)
+        config = self.config
+        args = (config.reward_function, config.reward_type, self.kwargs, config.memory_limit_mb)
+        return WorkerProcess(
+            self._ctx, slot, worker_main, args, "reward", config.memory_limit_mb, RewardLoadError
+        )
 
     def _restart(self, slot: int) -> WorkerProcess:
         worker = self._new_worker(slot)
@@ -250,7 +256,7 @@ class RewardRunner:
         for worker in idle_workers(self._workers, self._restart, lambda: bool(batch.pending)):
             indices = batch.pending.popleft()
             self._job_ids += 1
-            worker.send_job(_Job(self._job_ids, indices), [batch.inputs[i] for i in indices], self.timeout)
+            _send_job(worker, _Job(self._job_ids, indices), [batch.inputs[i] for i in indices], self.timeout)
 
     def _collect(self, batch: _Batch, max_wait: float = MEMORY_POLL_S) -> None:
         """Wait for the next message (or deadline, at most `max_wait` s), handle it, then enforce
@@ -439,3 +445,14 @@ class RewardStream:
         while self.runner.num_workers > 0 and (self.batch.pending or self.runner._busy()):
             self.runner._pump(self.batch, MEMORY_POLL_S)
         return self.runner._finish([self.batch.outcomes.get(i, _NOT_SCORED) for i in range(total)])
+
+
+def _send_job(worker: WorkerProcess, job: _Job, samples: list[RewardInput], timeout: float) -> None:
+    """Hand `samples` to an idle worker as `job` (pickled here: unpicklable inputs fail before a byte is sent)."""
+    try:
+        worker.send(("score", job.job_id, samples), job, timeout)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise RewardError(
+            f"could not send the inputs to a reward worker: {exc!r}; every RewardInput value "
+            "(extra columns included) must be picklable"
+        ) from exc

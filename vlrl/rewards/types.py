@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlrl.user_code.loading import UserCodeError
+
 RESERVED_KEYS = ("response", "response_length", "ground_truth", "prompt")
 """Keys every `RewardInput` has; an extra dataset column with one of these names becomes `extra_<name>`."""
 
@@ -18,7 +20,7 @@ class RewardError(RuntimeError):
     """A reward function failed (raised, hung, or returned something unusable)."""
 
 
-class RewardLoadError(RewardError):
+class RewardLoadError(RewardError, UserCodeError):
     """A reward function could not be loaded (missing file, import error, missing function...)."""
 
 

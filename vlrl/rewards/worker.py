@@ -21,8 +21,8 @@ from typing import Any
 
 from vlrl.rewards.calling import call_batch, call_one, describe_exception, guarded
 from vlrl.rewards.loading import check_kwargs, load_reward_function
-from vlrl.rewards.memory import apply_memory_limit
 from vlrl.rewards.types import RewardFailure, RewardLoadError
+from vlrl.user_code.memory import apply_memory_limit
 
 
 def worker_main(

@@ -1,6 +1,6 @@
 """`ToolPool`: tool calls run in isolated worker processes, in parallel, each under a timeout.
 
-Composition over the reward machinery: each worker is a `vlrl.rewards.worker_process.WorkerProcess`
+Composition over the reward machinery: each worker is a `vlrl.user_code.worker_process.WorkerProcess`
 running `tool_worker_main`. A call that exceeds `timeout` (or kills its process) gets an error
 output for the model; its worker is killed and replaced before the next call it would take.
 `call` and `interact` wait for their results; `submit_calls` + `poll` let the caller go on (the
@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-from vlrl.rewards.memory import describe_exit
-from vlrl.rewards.worker_process import STARTUP_TIMEOUT, WorkerProcess, idle_workers
 from vlrl.rollout.multi_turn.tool_config import ToolEntry
 from vlrl.rollout.multi_turn.tool_worker import tool_worker_main
 from vlrl.rollout.multi_turn.tools import ToolOutput
+from vlrl.user_code.memory import describe_exit
+from vlrl.user_code.worker_process import STARTUP_TIMEOUT, WorkerProcess, idle_workers
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class ToolPool:
         return worker
 
     def _new(self, slot: int) -> WorkerProcess:
-        return WorkerProcess(self._ctx, None, {}, slot, target=tool_worker_main, args=self.args, kind="tool")
+        return WorkerProcess(self._ctx, slot, tool_worker_main, self.args, "tool")
 
     def call(self, calls: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[ToolOutput]:
         """Run (name, arguments, context) calls in parallel; outputs in call order."""
@@ -133,7 +133,7 @@ class ToolPool:
                     kind, reply_id, value = worker.conn.recv()
                 except (EOFError, OSError):
                     worker.process.join(1)
-                    why = describe_exit(worker.process.exitcode, None, None).replace("while scoring", "")
+                    why = describe_exit(worker.process.exitcode, None, None, doing="")
                     self._finished[ticket] = on_failure(f"failed: {why.strip()}", False)
                     self._drop(slot)
                     continue

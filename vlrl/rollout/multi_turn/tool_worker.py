@@ -1,7 +1,7 @@
 """Entry point of a tool worker process (spawned by `ToolPool`); imports no torch.
 
 The worker loads every tool (and the interaction) from its spec with the reward loader
-(`vlrl.rewards.loading.load_function`), checks YAML-declared schemas against the functions' signatures
+(`vlrl.user_code.loading.load_function`), checks YAML-declared schemas against the functions' signatures
 (`tool_config.check_schema_matches`), reports `ready` with the schemas, then serves calls.
 
 Messages, worker -> parent: ("ready", info) | ("load_error", message) | ("result", job_id, value)
@@ -18,9 +18,6 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from vlrl.rewards.loading import load_function
-from vlrl.rewards.memory import apply_memory_limit
-from vlrl.rewards.types import RewardLoadError
 from vlrl.rollout.multi_turn.tool_config import ToolConfigError, ToolEntry, check_schema_matches
 from vlrl.rollout.multi_turn.tools import (
     ToolOutput,
@@ -29,6 +26,8 @@ from vlrl.rollout.multi_turn.tools import (
     normalize_output,
     tool_schema,
 )
+from vlrl.user_code.loading import UserCodeError, load_function
+from vlrl.user_code.memory import apply_memory_limit
 
 MAX_ERROR_CHARS = 300  # an exception message shown to the model is cut to this
 
@@ -45,7 +44,7 @@ def load_tools(entries: list[ToolEntry]) -> tuple[dict[str, Callable[..., Any]],
             check_schema_matches(fn, entry)
         name = entry.name or fn_name
         if name in tools:
-            raise RewardLoadError(
+            raise UserCodeError(
                 f"two tools are named {name!r} (worker.rollout.multi_turn.tools / tool_config_path): rename one"
             )
         tools[name] = fn
@@ -106,7 +105,7 @@ def tool_worker_main(
     try:
         tools, schemas = load_tools(specs)
         interact = load_function(interaction, "interaction")[0] if interaction else None
-    except (RewardLoadError, ToolConfigError) as exc:
+    except (UserCodeError, ToolConfigError) as exc:
         conn.send(("load_error", str(exc)))
         return
     except BaseException as exc:

@@ -1,16 +1,15 @@
-"""`WorkerProcess`: one reward worker process as seen from `RewardRunner` (its pipe, job, memory)."""
+"""`WorkerProcess`: one worker process as its parent sees it (its pipe, job, memory): the reward
+runner's (`vlrl.rewards.runner`) and the tool pool's (`vlrl.rollout.multi_turn.tool_pool`)."""
 
 from __future__ import annotations
 
 import contextlib
-import pickle
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from vlrl.rewards.memory import memory_kib
-from vlrl.rewards.types import RewardError, RewardInput, RewardLoadError
-from vlrl.rewards.worker import worker_main
+from vlrl.user_code.loading import UserCodeError
+from vlrl.user_code.memory import memory_kib
 
 STARTUP_TIMEOUT = 120.0
 """Seconds a worker may take to start and import the reward file (spawn re-imports the main module)."""
@@ -22,23 +21,20 @@ class WorkerProcess:
     def __init__(
         self,
         ctx: Any,
-        config: Any,
-        kwargs: dict[str, Any],
         slot: int,
-        target: Callable[..., None] | None = None,
-        args: tuple[Any, ...] | None = None,
-        kind: str = "reward",
+        target: Callable[..., None],
+        args: tuple[Any, ...],
+        kind: str,
+        memory_limit_mb: int | None = None,
+        load_error: type[UserCodeError] = UserCodeError,
     ) -> None:
-        """A reward worker for `config`; or, with `target` and `args`, any worker served the same
-        way (`target(conn, *args)`, answering `ready`/`load_error` first; tools use this)."""
+        """Start `target(conn, *args)` in a `ctx` process named after `kind` and `slot`; it answers
+        `ready` or `load_error` first. `memory_limit_mb`: the cap `target` sets on itself (named in
+        messages about a failed start); `load_error`: what a failed start raises."""
         self.conn, child = ctx.Pipe()
-        if target is None:
-            target = worker_main
-            args = (config.reward_function, config.reward_type, kwargs, config.memory_limit_mb)
-        self.kind = kind
-        self.memory_limit_mb = getattr(config, "memory_limit_mb", None) if target is worker_main else None
+        self.kind, self.memory_limit_mb, self.load_error = kind, memory_limit_mb, load_error
         self.process = ctx.Process(
-            target=target, args=(child, *(args or ())), daemon=True, name=f"vlrl-{kind}-{slot}"
+            target=target, args=(child, *args), daemon=True, name=f"vlrl-{kind}-{slot}"
         )
         self.process.start()
         child.close()  # so a dead worker shows up as EOF on our end
@@ -53,20 +49,20 @@ class WorkerProcess:
             self.memory = memory_kib(self.process.pid) or self.memory
 
     def wait_ready(self, timeout: float) -> dict[str, Any]:
-        """Block until the worker has loaded the reward function; returns its `ready` info."""
+        """Block until the worker has loaded the user's file; returns its `ready` info."""
         if not self.conn.poll(timeout):
             self.kill()
-            raise RewardLoadError(f"{self.kind} worker did not start within {timeout:g}s")
+            raise self.load_error(f"{self.kind} worker did not start within {timeout:g}s")
         try:
             kind, payload = self.conn.recv()
         except (EOFError, OSError):
             code = self.kill()
-            raise RewardLoadError(
+            raise self.load_error(
                 f"{self.kind} worker exited while starting (exit code {code}){self._cap_note()}"
             ) from None
         if kind == "load_error":
             self.kill()
-            raise RewardLoadError(payload + self._cap_note())
+            raise self.load_error(payload + self._cap_note())
         return payload
 
     def _cap_note(self) -> str:
@@ -77,17 +73,6 @@ class WorkerProcess:
             f"\n(the worker runs under worker.reward.memory_limit_mb={self.memory_limit_mb}, which counts the "
             "reward file's imports too: if it failed for lack of memory, raise the cap)"
         )
-
-    def send_job(self, job: Any, samples: list[RewardInput], timeout: float) -> None:
-        try:
-            self.conn.send(("score", job.job_id, samples))
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # pickled before any byte is sent
-            raise RewardError(
-                f"could not send the inputs to a reward worker: {exc!r}; every RewardInput value "
-                "(extra columns included) must be picklable"
-            ) from exc
-        self.job = job
-        self.deadline = time.monotonic() + timeout
 
     def send(self, message: tuple[Any, ...], job: Any, timeout: float) -> None:
         """Send any message (pickled here: an unpicklable one raises before a byte is sent) as `job`."""

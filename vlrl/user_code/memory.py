@@ -1,5 +1,5 @@
-"""Reward-worker memory: the optional cap (`worker.reward.memory_limit_mb`) and how a worker that ran
-out of memory is reported (instead of as a timeout or a bare exit code).
+"""A worker's memory: the optional cap (the reward workers' `worker.reward.memory_limit_mb`) and how
+a worker that ran out of memory is reported (instead of as a timeout or a bare exit code).
 
 The cap is RLIMIT_AS (address space) set in the worker before the reward file is imported, so an
 allocation past it raises MemoryError inside the reward function, which is reported as running out
@@ -47,17 +47,19 @@ def format_kib(kib: int) -> str:
     return f"{kib / 1024**2:.1f} GiB" if kib >= 1024**2 else f"{kib / 1024:.0f} MiB"
 
 
-def describe_exit(code: int | None, peak_kib: int | None, limit_mb: int | None) -> str:
-    """Why a worker process ended while scoring, from its exit code and the peak memory seen."""
+def describe_exit(
+    code: int | None, peak_kib: int | None, limit_mb: int | None, doing: str = "while scoring"
+) -> str:
+    """Why a worker process ended `doing` something, from its exit code and the peak memory seen."""
     seen = f"; its resident memory peaked at {format_kib(peak_kib)}" if peak_kib else ""
     if code is not None and code < 0:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-        text = f"worker process was killed by {name} (exit code {code}) while scoring{seen}"
+        text = f"worker process was killed by {name} (exit code {code}) {doing}{seen}".replace("  ", " ")
         if -code == signal.SIGKILL:  # the kernel's OOM killer sends it, as may a person or a scheduler
             text += " (the out-of-memory killer sends SIGKILL, as can `kill -9`)"
             text += "" if limit_mb is not None else f"; {NO_CAP_HINT}"
         return text
-    return f"worker process died (exit code {code}) while scoring{seen}"
+    return f"worker process died (exit code {code}) {doing}{seen}".replace("  ", " ")
 
 
 def describe_timeout(timeout: float, memory: tuple[int, int] | None, limit_mb: int | None) -> str:
