@@ -42,6 +42,7 @@ from vlrl.batch.rows import FinishedGroups, PromptBatch, RolloutBatch
 from vlrl.batch.samples import StepSamples
 from vlrl.trainer.dispatch import balanced_shards, split_prompts, update_inputs
 from vlrl.trainer.ppo_trainer import PPOTrainer
+from vlrl.trainer.ranks import Method
 
 PHASES = ("generate", "log_probs", "update")
 
@@ -103,6 +104,9 @@ def synthetic_bytes(
         step = StepSamples.join(samples, 0)
         shards = balanced_shards(step.sequence_lengths, world)
         out["log_probs"] += sum(nbytes(take_plan(step.held, rows)) for rows in shards)
+        balancing_report(
+            step.sequence_lengths.tolist(), shards, per_engine, tp, nbytes(parts[0]) / per_engine
+        )
     else:
         out["generate"] += sum(nbytes(part) for part in parts)
         shards = balanced_shards(batch.attention_mask.sum(-1), world)
@@ -119,6 +123,26 @@ def synthetic_bytes(
     step.advantages = torch.zeros(batch.responses.shape)
     out["update"] += sum(nbytes(s) for s in update_inputs(step, shards))
     return dict(out)
+
+
+def balancing_report(
+    lengths: list[int], shards: list[list[int]], per_engine: int, tp: int, row_bytes: float
+) -> None:
+    """What token balancing buys and costs once rows stay where they were generated: the token
+    imbalance (max / mean over engines) if every engine's rows stayed with its ranks, against the
+    balanced shards; and the rows the balanced shards take from another engine's store (rank to
+    rank through the object store, not through the driver)."""
+    from vlrl.workers.balance import imbalance
+
+    engines = len(shards) // tp
+    own = [list(range(g * per_engine, (g + 1) * per_engine)) for g in range(engines)]
+    balanced = [[i for r in range(g * tp, (g + 1) * tp) for i in shards[r]] for g in range(engines)]
+    moved = sum(1 for rank, rows in enumerate(shards) for i in rows if i // per_engine != rank // tp)
+    print(
+        f"  token imbalance (max/mean over engines): rows kept where generated {imbalance(lengths, own):.4f}, "
+        f"balanced {imbalance(lengths, balanced):.4f}; rows the balanced shards take from another "
+        f"engine's store: {moved} of {len(lengths)} (~{moved * row_bytes / 1e6:.0f} MB rank to rank)"
+    )
 
 
 class CountingStream:
@@ -143,22 +167,22 @@ class CountingRanks:
     def __init__(self, ranks: Any, counts: dict[str, int]) -> None:
         self.ranks, self.counts, self.workers = ranks, counts, ranks.workers
 
-    def submit(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Any:
+    def submit(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> Any:
         from vlrl.trainer.ranks import Done
 
         return Done(self.call(method, *per_rank, **kwargs))
 
-    def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
+    def call(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
         results = self.ranks.call(method, *per_rank, **kwargs)
-        self.counts[method] += nbytes((per_rank, kwargs)) + nbytes(results)
+        self.counts[method.__name__] += nbytes((per_rank, kwargs)) + nbytes(results)
         return results
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         return self.call(method, *([arg] * len(self.workers) for arg in args), **kwargs)
 
-    def stream(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Any:
-        self.counts[method] += nbytes((per_rank, kwargs))
-        return CountingStream(self.ranks.stream(method, *per_rank, **kwargs), self.counts, method)
+    def stream(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> Any:
+        self.counts[method.__name__] += nbytes((per_rank, kwargs))
+        return CountingStream(self.ranks.stream(method, *per_rank, **kwargs), self.counts, method.__name__)
 
     def shutdown(self) -> None:
         self.ranks.shutdown()

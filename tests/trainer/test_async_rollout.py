@@ -16,7 +16,8 @@ from vlrl.batch.held import Held, take, take_plan
 from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.batch.samples import StepSamples
 from vlrl.trainer.async_rollout import AsyncRollout
-from vlrl.trainer.ranks import Done, RankRoles
+from vlrl.trainer.ranks import Done, Method, RankRoles
+from vlrl.workers.rank_worker import RankWorker
 
 
 class _Group:
@@ -25,14 +26,16 @@ class _Group:
     def __init__(self, size: int, log: list[tuple[str, str, tuple]], name: str) -> None:
         self.workers, self.log, self.name = [object()] * size, log, name
 
-    def submit(self, method: str, *per_rank: list, **kwargs) -> Done:
-        self.log.append((self.name, method, per_rank))
-        return Done([{"sync/bytes": 10.0} if method == "send_weights" else None for _ in self.workers])
+    def submit(self, method: Method, *per_rank: list, **kwargs) -> Done:
+        self.log.append((self.name, method.__name__, per_rank))
+        return Done(
+            [{"sync/bytes": 10.0} if method is RankWorker.send_weights else None for _ in self.workers]
+        )
 
-    def call(self, method: str, *per_rank: list, **kwargs) -> list:
+    def call(self, method: Method, *per_rank: list, **kwargs) -> list:
         return self.submit(method, *per_rank, **kwargs).result()
 
-    def call_all(self, method: str, *args, **kwargs) -> list:
+    def call_all(self, method: Method, *args, **kwargs) -> list:
         return self.call(method, *([a] * len(self.workers) for a in args), **kwargs)
 
     def shutdown(self) -> None:

@@ -51,12 +51,12 @@ def local_ray():
 def test_a_rank_that_does_not_answer_is_named(local_ray) -> None:
     group = RankGroup([ray.remote(_Sleeper).remote(r) for r in range(2)])
     group.identify()  # without a limit: starting the actors may take seconds on a loaded machine
-    assert group.call_all("nap", {}) == [0, 1]
+    assert group.call_all(_Sleeper.nap, {}) == [0, 1]
     group.deadlines = CallDeadlines(3)
     start = time.monotonic()
     with pytest.raises(RankHang, match=r"^rank 1 \(pid 1001 on node-a\) did not finish nap within 3 s"):
-        group.call_all("nap", {1: 60.0})
+        group.call_all(_Sleeper.nap, {1: 60.0})
     assert time.monotonic() - start < 30
     with pytest.raises(Exception, match="bad shard"):  # a failure is raised at once, not waited out
-        group.call_all("fail")
+        group.call_all(_Sleeper.fail)
     group.shutdown()

@@ -27,6 +27,7 @@ import torch
 from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.batch.samples import StepSamples
 from vlrl.trainer.ranks import Pending, RankRoles
+from vlrl.workers.rank_worker import RankWorker
 
 PREFETCHED = "prefetched.pt"
 
@@ -62,9 +63,9 @@ class AsyncRollout:
         n_train, n_engines = len(train_ranks.workers), len(engines.workers)
         members = 1 + n_engines
         joins = [
-            train_ranks.submit("join_weight_broadcast", [host] * n_train, [port] * n_train,
+            train_ranks.submit(RankWorker.join_weight_broadcast, [host] * n_train, [port] * n_train,
                                [0] + [None] * (n_train - 1), [members] * n_train),
-            engines.submit("join_weight_broadcast", [host] * n_engines, [port] * n_engines,
+            engines.submit(RankWorker.join_weight_broadcast, [host] * n_engines, [port] * n_engines,
                            list(range(1, members)), [members] * n_engines),
         ]  # fmt: skip
         for join in joins:
@@ -74,8 +75,8 @@ class AsyncRollout:
         """Broadcast the trainer's weights (`version`: updates done) unless the engines hold them."""
         if self.engine_version == version:
             return {}
-        sent = self.roles.train.submit("send_weights")
-        received = self.roles.generate.submit("receive_weights")
+        sent = self.roles.train.submit(RankWorker.send_weights)
+        received = self.roles.generate.submit(RankWorker.receive_weights)
         received.result()
         metrics = sent.result()[0]
         self.engine_version = version

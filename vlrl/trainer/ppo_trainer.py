@@ -51,7 +51,7 @@ from vlrl.trainer.ranks import Pending, RankRoles
 from vlrl.trainer.rounds import BatchFiller
 from vlrl.trainer.scoring import BatchScorer
 from vlrl.utils.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
-from vlrl.workers.rank_worker import check_same_banned_tokens
+from vlrl.workers.rank_worker import RankWorker, check_same_banned_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class PPOTrainer:
         self.ranks, self.engines = self.roles.train, self.roles.generate  # the same group unless async
         check_shared_filesystem(  # before the (long) model loading
             run_root,
-            lambda *probe: self.ranks.call_all("probe_shared_path", *probe),
+            lambda *probe: self.ranks.call_all(RankWorker.probe_shared_path, *probe),
         )
         self.async_rollout = self._setup_ranks()
         self.filler = BatchFiller(
@@ -114,16 +114,16 @@ class PPOTrainer:
         forms the weight-broadcast group and checks both roles ban the same tokens)."""
         args = (self.data.max_images_per_prompt, self._optimizer_steps(), self.data.max_videos_per_prompt)
         if not self.roles.separate:
-            self.ranks.call_all("setup", *args)
+            self.ranks.call_all(RankWorker.setup, *args)
             return None
-        for loading in [self.ranks.submit("setup", *([a] * len(self.ranks.workers) for a in args)),
-                        self.engines.submit("setup", *([a] * len(self.engines.workers) for a in args))]:  # fmt: skip
+        for loading in [self.ranks.submit(RankWorker.setup, *([a] * len(self.ranks.workers) for a in args)),
+                        self.engines.submit(RankWorker.setup, *([a] * len(self.engines.workers) for a in args))]:  # fmt: skip
             loading.result()
-        actor_banned = self.ranks.call_all("banned_token_ids")[0]
-        for engine_banned in self.engines.call_all("banned_token_ids"):
+        actor_banned = self.ranks.call_all(RankWorker.banned_token_ids)[0]
+        for engine_banned in self.engines.call_all(RankWorker.banned_token_ids):
             check_same_banned_tokens(engine_banned, actor_banned)
         flow = AsyncRollout(self.roles, self.config.worker.rollout.max_staleness)
-        flow.connect(lambda: self.ranks.call_all("free_address")[0])
+        flow.connect(lambda: self.ranks.call_all(RankWorker.free_address)[0])
         return flow
 
     def _save_steps(self) -> list[int]:
@@ -187,7 +187,7 @@ class PPOTrainer:
             with timer("old_ref"):
                 plans = [take_plan(batch.held, rows) for rows in shards]
                 results = self.ranks.call(
-                    "take_rows", plans, shards, with_old=not self.config.on_policy_update,
+                    RankWorker.take_rows, plans, shards, with_old=not self.config.on_policy_update,
                     log_probs_back=kl_in_reward,
                 )  # fmt: skip
             with timer("adv"):
@@ -210,7 +210,7 @@ class PPOTrainer:
                 )  # fmt: skip
             # 6. actor update (advantages weighted by truncated IS there), then weight sync to the engines
             with timer("update"):
-                results = self.ranks.call("update", update_inputs(batch, shards))
+                results = self.ranks.call(RankWorker.update, update_inputs(batch, shards))
             metrics.update(_mean_over_ranks([m for m, _ in results]))
             metrics.update(combine_drift([drift for _, drift in results]))
         if self.image_refs is not None:
@@ -259,7 +259,7 @@ class PPOTrainer:
         """Start generating `prompts` on the engines for `step` (default: this one) and return at
         once; `_merge` the result."""
         shards, overrides = self._engine_inputs(prompts, overrides, round_, step)
-        return self.engines.submit("generate", shards, overrides=overrides, keep=keep)
+        return self.engines.submit(RankWorker.generate, shards, overrides=overrides, keep=keep)
 
     def _engine_inputs(
         self, prompts: PromptBatch, overrides: dict[str, Any] | None, round_: int, step: int | None = None
@@ -298,7 +298,9 @@ class PPOTrainer:
         tp = self.config.worker.rollout.tensor_parallel_size
         with self.rewards.stream() as rewards:
             with timer("gen"):
-                calls = self.engines.stream("generate_stream", shards, overrides=overrides, keep=keep)
+                calls = self.engines.stream(
+                    RankWorker.generate_stream, shards, overrides=overrides, keep=keep
+                )
                 per_rank, added = self.scorer.stream(calls, shards, tp, rewards)
                 batch = self._merge(per_rank)
             with timer("reward"):
@@ -387,7 +389,7 @@ class PPOTrainer:
         metrics.update(multi_turn_metrics(trajectories, "val_multi_turn"))
         if self.image_refs is not None:
             self.image_refs.clear()
-            self.engines.call_all("release_images")
+            self.engines.call_all(RankWorker.release_images)
         metrics["timing/validation"] = time.perf_counter() - start
         if samples:
             self.tracker.log_generations(
@@ -409,7 +411,7 @@ class PPOTrainer:
         model_only = self.config.trainer.save_model_only
 
         def write_actor(folder: str) -> None:
-            self.ranks.call_all("save_checkpoint", folder, model_only)
+            self.ranks.call_all(RankWorker.save_checkpoint, folder, model_only)
             if self.async_rollout is not None:  # the generation in flight, for an exact resume
                 self.async_rollout.save(os.path.dirname(folder), self._fetch_media, self._rows_of)
 
@@ -423,11 +425,15 @@ class PPOTrainer:
     def _digest(self, folder: str) -> dict[str, dict[str, Any]]:
         """The checksums of a checkpoint's files, hashed by the ranks between them."""
         return {
-            k: v for part in self.ranks.call_all("digest_checkpoint_files", folder) for k, v in part.items()
+            k: v
+            for part in self.ranks.call_all(RankWorker.digest_checkpoint_files, folder)
+            for k, v in part.items()
         }
 
     def _verify(self, folder: str, files: dict[str, dict[str, Any]]) -> list[str]:
-        return [p for part in self.ranks.call_all("verify_checkpoint_files", folder, files) for p in part]
+        return [
+            p for part in self.ranks.call_all(RankWorker.verify_checkpoint_files, folder, files) for p in part
+        ]
 
     def _resume(self) -> None:
         trainer = self.config.trainer
@@ -447,7 +453,7 @@ class PPOTrainer:
                 f"{path} was saved with trainer.save_model_only=true: it holds weights only and cannot be "
                 "resumed; start a new run from its actor/huggingface folder (worker.actor.model.model_path)"
             )
-        self.ranks.call_all("load_checkpoint", os.path.join(path, "actor"))
+        self.ranks.call_all(RankWorker.load_checkpoint, os.path.join(path, "actor"))
         if self.async_rollout is not None:
             self.async_rollout.load(path, self._publish)
         self.data.load_state_dict(state["dataloader"])

@@ -9,11 +9,15 @@ without Ray, which is how the trainer's logic is unit-tested (tests/trainer/test
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from vlrl.config import PPOConfig
+
+Method: TypeAlias = Callable[..., Any]
+"""A `RankWorker` method named at the call site (`ranks.call(RankWorker.update, ...)`): each rank's
+worker (a Ray actor handle, or the worker itself in-process) runs its method of that name."""
 
 
 class Pending(Protocol):
@@ -39,13 +43,13 @@ class Ranks(Protocol):
 
     workers: list[Any]  # one handle per rank
 
-    def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]: ...
+    def call(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> list[Any]: ...
 
-    def submit(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Pending: ...
+    def submit(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> Pending: ...
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
+    def call_all(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]: ...
 
-    def stream(self, method: str, *per_rank: list[Any], **kwargs: Any) -> RankStream:
+    def stream(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> RankStream:
         """Start a generator method on every rank; its items come as they are yielded."""
         ...
 
@@ -94,24 +98,24 @@ class InProcessRanks:
         """These ranks in both roles (the hybrid mode)."""
         return RankRoles(self, self)
 
-    def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
-        check_one_per_rank(method, per_rank, len(self.workers))
+    def call(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
+        check_one_per_rank(method.__name__, per_rank, len(self.workers))
         return [
-            getattr(worker, method)(*(args[rank] for args in per_rank), **kwargs)
+            getattr(worker, method.__name__)(*(args[rank] for args in per_rank), **kwargs)
             for rank, worker in enumerate(self.workers)
         ]
 
-    def submit(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Done:
+    def submit(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> Done:
         """Runs the calls now (nothing overlaps in one process); `.result()` returns them."""
         return Done(self.call(method, *per_rank, **kwargs))
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         return self.call(method, *([arg] * len(self.workers) for arg in args), **kwargs)
 
-    def stream(self, method: str, *per_rank: list[Any], **kwargs: Any) -> InProcessStream:
-        check_one_per_rank(method, per_rank, len(self.workers))
+    def stream(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> InProcessStream:
+        check_one_per_rank(method.__name__, per_rank, len(self.workers))
         return InProcessStream([
-            getattr(worker, method)(*(args[rank] for args in per_rank), **kwargs)
+            getattr(worker, method.__name__)(*(args[rank] for args in per_rank), **kwargs)
             for rank, worker in enumerate(self.workers)
         ])  # fmt: skip
 

@@ -1,6 +1,6 @@
 """Starting Ray and the per-rank workers, and calling them in the open.
 
-`call(workers, "method", per_rank_args)` is the only dispatch there is: one remote call per
+`call(RankWorker.method, per_rank_args)` is the only dispatch there is: one remote call per
 rank, then `ray.get` on all of them, with the root cause of a failure shown plainly.
 """
 
@@ -21,10 +21,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vlrl.config import PPOConfig
 from vlrl.trainer.deadlines import CallDeadlines, Stopwatch
-from vlrl.trainer.ranks import RankRoles, check_one_per_rank
+from vlrl.trainer.ranks import Method, RankRoles, check_one_per_rank
 from vlrl.trainer.ray_sessions import mark_session, remove_ended_sessions
 from vlrl.utils.library_logs import worker_log_env
 from vlrl.utils.rank_threads import RANK_NUM_CPUS, user_thread_env
+from vlrl.workers.rank_worker import RankWorker
 
 # Engines run inside the rank's process (SPMD); tests and CPU runs want quiet, offline workers.
 WORKER_ENV = {
@@ -160,41 +161,44 @@ class RankGroup:
     def identify(self, first_rank: int = 0) -> None:
         """Learn each rank's pid and host, for the messages about a rank that stopped answering."""
         threads = set()
-        for r, (pid, host, *rest) in enumerate(self.call_all("process")):
+        for r, (pid, host, *rest) in enumerate(self.call_all(RankWorker.process)):
             self.names[r] = f"rank {first_rank + r} (pid {pid} on {host})"
             threads.update(rest)
         logger.info("started %s", ", ".join(self.names))
         if threads:
             logger.info("rank workers: %s", "; ".join(sorted(threads)))
 
-    def submit(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Pending:
-        """Start `worker[r].method(per_rank[0][r], ..., **kwargs)` on every rank; `.result()` waits."""
-        check_one_per_rank(method, per_rank, len(self.workers))
+    def submit(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> Pending:
+        """Start `worker[r].method(per_rank[0][r], ..., **kwargs)` on every rank; `.result()` waits.
+        `method`: a `RankWorker` method (`RankWorker.update`), called on each rank's actor handle."""
+        name = method.__name__
+        check_one_per_rank(name, per_rank, len(self.workers))
         refs = [
-            getattr(worker, method).remote(*(args[rank] for args in per_rank), **kwargs)
+            getattr(worker, name).remote(*(args[rank] for args in per_rank), **kwargs)
             for rank, worker in enumerate(self.workers)
         ]
-        return Pending(method, refs, self)
+        return Pending(name, refs, self)
 
-    def call(self, method: str, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
+    def call(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> list[Any]:
         """`submit`, then wait: results by rank."""
         return self.submit(method, *per_rank, **kwargs).result()
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         """The same arguments on every rank."""
         return self.call(method, *([arg] * len(self.workers) for arg in args), **kwargs)
 
-    def stream(self, method: str, *per_rank: list[Any], **kwargs: Any) -> Streaming:
+    def stream(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> Streaming:
         """Start the generator `worker[r].method(per_rank[0][r], ...)` on every rank as a Ray
         streaming generator: each yielded item can be taken as soon as it is yielded."""
-        check_one_per_rank(method, per_rank, len(self.workers))
+        name = method.__name__
+        check_one_per_rank(name, per_rank, len(self.workers))
         generators = [
-            getattr(worker, method)
+            getattr(worker, name)
             .options(num_returns="streaming")
             .remote(*(args[rank] for args in per_rank), **kwargs)
             for rank, worker in enumerate(self.workers)
         ]
-        return Streaming(method, generators, self)
+        return Streaming(name, generators, self)
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):  # best effort: the processes are killed next anyway
@@ -298,7 +302,6 @@ def start_rank_groups(config: PPOConfig) -> RankRoles:
     (`worker.rollout.async_ranks`): the first ranks train in their own world; each of the last
     `async_ranks` ranks holds an engine in a world of its own."""
     from vlrl.rollout.vllm_hooks import current_run_id
-    from vlrl.workers.rank_worker import RankWorker
 
     check_cluster_fits(config, ray.cluster_resources())
     layout = rank_placement(config)
