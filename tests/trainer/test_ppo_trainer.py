@@ -129,6 +129,15 @@ def test_online_filtering_refills_the_batch_with_unsolved_groups(make) -> None:
     for g in set(groups):  # kept groups have a reward spread (the filter's bounds are 0.01, 0.99)
         overall = [p["overall"] for p, gid in zip(batch.scored_parts(), groups) if gid == g]
         assert max(overall) > min(overall) or 0.01 < overall[0] < 0.99
+    # the rows stay where the rounds published them; taken back, they are the kept samples, in order
+    assert len({id(held) for held, _ in batch.held}) >= 2  # rows of more than one round
+    rows = trainer._rows_of(batch)
+    width = min(rows.responses.shape[1], batch.responses.shape[1])
+    assert rows.ground_truths == batch.ground_truths and torch.equal(
+        rows.group_ids % (1 << 40), batch.group_ids % (1 << 40)
+    )
+    assert torch.equal(rows.responses[:, :width], batch.responses[:, :width])
+    assert torch.equal(rows.attention_mask.sum(-1), batch.sequence_lengths)
 
 
 def test_too_many_filtered_rounds_is_an_error(make) -> None:
