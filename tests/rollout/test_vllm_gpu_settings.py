@@ -248,7 +248,8 @@ def run_generate(role: str) -> list[str]:
     worker.rank = 0  # the first rank of its tensor-parallel group: it returns the rollouts
     worker.config = SimpleNamespace(worker=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=1)))  # type: ignore[assignment]
     worker.actor = _RecordingActor(engine.calls)  # type: ignore[assignment]
-    items = list(worker.generate_stream(SimpleNamespace()))  # type: ignore[arg-type]
+    worker.published = []
+    items = list(worker.generate_stream(SimpleNamespace(), keep_for=1))  # type: ignore[arg-type]
     assert isinstance(items[0], FinishedGroups) and isinstance(items[-1], StepSamples)
     return engine.calls
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlrl.batch.held import Held, take, take_plan
+from vlrl.batch.held import Held, take
 from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.batch.samples import StepSamples
 from vlrl.trainer.async_rollout import AsyncRollout
@@ -90,7 +90,7 @@ def test_the_generation_in_flight_is_saved_with_pixels_and_loaded(tmp_path: Path
         return [[Image.new("RGB", (28, 28), "red")] for _ in images]
 
     def rows_of(samples: StepSamples) -> RolloutBatch:  # the rows from where they are held
-        return take(take_plan(samples.held, list(range(len(samples)))), 0)
+        return take(samples.plan(list(range(len(samples)))), 0)
 
     flow.save(str(tmp_path), fetch, rows_of)
     assert fetched == [2, 1]  # the rollout's and the prompts' images

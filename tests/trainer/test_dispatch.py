@@ -4,7 +4,7 @@ it belongs, on the ranks (`concat_padded`, `take`) and on the driver (`StepSampl
 import pytest
 import torch
 
-from vlrl.batch.held import Held, concat_padded, take, take_plan
+from vlrl.batch.held import Held, concat_padded, take
 from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.batch.samples import SAMPLE_RESPONSE_FIELDS, StepSamples
 from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_samples, split_prompts, update_inputs
@@ -72,12 +72,15 @@ def test_ranks_take_their_rows_from_where_they_are_held() -> None:
     held_a, held_b = Held(a), Held(b)
     samples = StepSamples.join([StepSamples.of(a, held_a), StepSamples.of(b, held_b)], PAD)
     rows = [3, 0, 1, 2]
-    plan = take_plan(samples.held, rows)
-    assert [(source is held_b, index) for source, index in plan] == [
+    plan = samples.plan(rows)
+    assert [(source is held_b, index) for source, index in plan.runs] == [
         (True, [1]),
         (False, [0, 1]),
         (True, [0]),
     ]
+    assert (plan.prompt_width, plan.response_width) == (3, 4)  # the step's widest, whatever the rank takes
+    one = take(samples.plan([0]), PAD)  # a rank with one short row still gets the step's shapes
+    assert one.input_ids.shape == (1, 7) and one.responses.tolist() == [[7, 8, PAD, PAD]]
     taken = take(plan, PAD)
     expected = concat_padded([a, b], PAD).select(rows)
     for name in (
@@ -98,7 +101,7 @@ def test_ranks_take_their_rows_from_where_they_are_held() -> None:
 def test_rows_generated_without_keep_cannot_be_taken() -> None:
     a = _rollout([1], [2], 1, 0)
     with pytest.raises(ValueError, match="not held"):
-        take_plan(StepSamples.of(a, None).held, [0])
+        StepSamples.of(a, None).plan([0])
 
 
 def _scored_batch(rows: int = 12, width: int = 6) -> StepSamples:

@@ -53,7 +53,7 @@ def _worker(
 ) -> RankWorker:
     worker = RankWorker.__new__(RankWorker)  # no process group needed for this phase
     worker.device = torch.device(device)
-    worker.role, worker.image_refs, worker.rank = "hybrid", None, rank
+    worker.role, worker.image_refs, worker.rank, worker.published = "hybrid", None, rank, []
     worker.config = SimpleNamespace(worker=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=tp)))
     worker.actor = _Recorder(calls, "actor")
     worker.rollout = _Recorder(calls, "rollout", fail_on)
@@ -63,7 +63,7 @@ def _worker(
 def test_actor_offloads_before_the_engine_wakes_and_returns_after(monkeypatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    assert _is_batch(_worker(calls, "cuda").generate(prompts=SimpleNamespace(images=[])))
+    assert _is_batch(_worker(calls, "cuda").generate(prompts=SimpleNamespace(images=[]), keep_for=1))
     assert calls == [
         "actor.offload_to_cpu",
         "empty_cache",
@@ -76,7 +76,7 @@ def test_actor_offloads_before_the_engine_wakes_and_returns_after(monkeypatch) -
 
 def test_streamed_groups_pass_while_the_actor_is_away_and_the_batch_comes_last() -> None:
     calls: list[str] = []
-    stream = _worker(calls, "cpu").generate_stream(prompts=SimpleNamespace(images=[]))
+    stream = _worker(calls, "cpu").generate_stream(prompts=SimpleNamespace(images=[]), keep_for=1)
     assert next(stream) is GROUPS
     assert calls[-1] == "rollout.generate_stream"  # the actor is still offloaded
     rest = list(stream)
@@ -87,25 +87,31 @@ def test_only_the_first_rank_of_a_tensor_parallel_group_returns_rollouts() -> No
     """Its peers ran the same engine on the same prompts: they send no copy of the rows (nor of
     the streamed groups) through the driver."""
     for rank in range(4):
-        items = list(_worker([], "cpu", rank=rank, tp=2).generate_stream(prompts=SimpleNamespace(images=[])))
+        items = list(
+            _worker([], "cpu", rank=rank, tp=2).generate_stream(
+                prompts=SimpleNamespace(images=[]), keep_for=1
+            )
+        )
         if rank % 2 == 0:
             assert items[0] is GROUPS and _is_batch(items[1]) and len(items) == 2, rank
         else:
             assert items == [None], rank
-    assert _worker([], "cpu", rank=1, tp=2).generate(prompts=SimpleNamespace(images=[])) is None
+    assert _worker([], "cpu", rank=1, tp=2).generate(prompts=SimpleNamespace(images=[]), keep_for=1) is None
 
 
 def test_no_cuda_cache_release_on_cpu(monkeypatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    _worker(calls, "cpu").generate(prompts=SimpleNamespace(images=[]))
+    _worker(calls, "cpu").generate(prompts=SimpleNamespace(images=[]), keep_for=1)
     assert "empty_cache" not in calls and calls[0] == "actor.offload_to_cpu"
 
 
 def test_actor_comes_back_when_generation_fails() -> None:
     calls: list[str] = []
     with pytest.raises(RuntimeError, match="engine failed"):
-        _worker(calls, "cpu", fail_on="generate_stream").generate(prompts=SimpleNamespace(images=[]))
+        _worker(calls, "cpu", fail_on="generate_stream").generate(
+            prompts=SimpleNamespace(images=[]), keep_for=1
+        )
     assert calls[-1] == "actor.load_to_device"
 
 
@@ -159,3 +165,20 @@ def test_the_update_measures_the_ratio_from_the_configured_old_policy(old_policy
     metrics, drift = worker.update(KeptRows([0], {}, per_row={"advantages": torch.ones(1)}))
     assert metrics == {} and drift == {"mean": 1.0, "max": 1.0, "tokens": 2.0}  # engine vs actor, either way
     assert torch.equal(seen["old"], engine if old_policy == "rollout" else actor_old)
+
+
+def test_a_rank_holds_what_it_published_until_it_generates_for_a_later_step() -> None:
+    """Its own reference keeps a published batch alive while the driver and the other ranks pass
+    references to it along (a hybrid rank's rows are taken within their step; a rollout rank's
+    during the next one, while it already generates the one after)."""
+    worker = _worker([], "cpu")
+    first = worker.generate(prompts=SimpleNamespace(images=[]), keep_for=1)
+    second = worker.generate(prompts=SimpleNamespace(images=[]), keep_for=1)  # a second round of step 1
+    assert [s for s, _ in worker.published] == [1, 1]
+    assert first is not None and second is not None and first.held[0][0] is worker.published[0][1]
+    worker.generate(prompts=SimpleNamespace(images=[]))  # validation: nothing published or dropped
+    worker.generate(prompts=SimpleNamespace(images=[]), keep_for=2)
+    assert [s for s, _ in worker.published] == [2]
+    worker.role = "rollout"  # asynchronous: step 2's rows are taken while step 3's are generated
+    worker.generate(prompts=SimpleNamespace(images=[]), keep_for=3)
+    assert [s for s, _ in worker.published] == [2, 3]

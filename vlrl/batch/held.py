@@ -44,14 +44,21 @@ def publish(batch: RolloutBatch) -> Held:
     return Held(ray.put(batch) if ray.is_initialized() else batch)
 
 
-# A rank's rows of one step, in order: runs of (published batch, its row indices).
-TakePlan = list[tuple[Held, list[int]]]
+@dataclass(frozen=True)
+class TakePlan:
+    """A rank's rows of one step, in order: `runs` of (published batch, its row indices), and the
+    step's widths every row is padded to (`prompt_width` P, `response_width` R: the widest of the
+    step's published batches, so a rank's tensors have the shapes whatever rows it gets)."""
+
+    runs: list[tuple[Held, list[int]]]
+    prompt_width: int
+    response_width: int
 
 
-def take_plan(held: list[tuple[Held, int] | None], rows: list[int]) -> TakePlan:
-    """The plan for `rows` of a step whose row i is held at `held[i]` (batch, index): consecutive
+def plan_runs(held: list[tuple[Held, int] | None], rows: list[int]) -> list[tuple[Held, list[int]]]:
+    """The runs for `rows` of a step whose row i is held at `held[i]` (batch, index): consecutive
     rows from one batch form one run."""
-    plan: TakePlan = []
+    plan: list[tuple[Held, list[int]]] = []
     for row in rows:
         where = held[row]
         if where is None:
@@ -65,21 +72,26 @@ def take_plan(held: list[tuple[Held, int] | None], rows: list[int]) -> TakePlan:
 
 
 def take(plan: TakePlan, pad_token_id: int) -> RolloutBatch:
-    """The planned rows as one batch (each published batch fetched once), padded to common widths."""
+    """The planned rows as one batch (each published batch fetched once), padded to the plan's widths."""
     fetched: dict[int, RolloutBatch] = {}
     parts = []
-    for source, index in plan:
+    for source, index in plan.runs:
         if id(source) not in fetched:
             fetched[id(source)] = source.fetch()
         parts.append(fetched[id(source)].select(index))
-    return concat_padded(parts, pad_token_id)
+    return concat_padded(parts, pad_token_id, (plan.prompt_width, plan.response_width))
 
 
-def concat_padded(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
-    """The rows of `batches` in order, each padded to the widest prompt and response part."""
+def concat_padded(
+    batches: list[RolloutBatch], pad_token_id: int, widths: tuple[int, int] | None = None
+) -> RolloutBatch:
+    """The rows of `batches` in order, each padded to `widths` (prompt part, response part; by
+    default the widest of `batches`)."""
     parts = [b for b in batches if len(b) > 0] or batches[:1]
-    width_p = max(b.prompt_length for b in parts)
-    width_r = max(b.responses.shape[1] for b in parts)
+    width_p, width_r = widths or (
+        max(b.prompt_length for b in parts),
+        max(b.responses.shape[1] for b in parts),
+    )
     padded = [pad_rollout(b, width_p, width_r, pad_token_id) for b in parts]
     return padded[0] if len(padded) == 1 else RolloutBatch.concat(padded)
 

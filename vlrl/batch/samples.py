@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlrl.batch.held import Held
+from vlrl.batch.held import Held, TakePlan, plan_runs
 from vlrl.batch.rows import RolloutBatch, SampleBatch, narrow, widen
 
 # Driver-side [N, R] fields, padded together when samples of different response widths are joined.
@@ -53,6 +53,7 @@ class StepSamples(SampleBatch):
     extras: list[dict[str, Any]]
     held: list[tuple[Held, int] | None]  # per row: its published batch and index there; None: not kept
     trajectories: list[dict[str, Any]] | None = None  # multi-turn: turns, tool calls, the final answer
+    prompt_width: int = 0  # P of the batches the rows are held in (joined: the widest)
     # Filled on the driver:
     token_level_scores: torch.Tensor | None = None  # [N, R] reward on the last response token
     token_level_rewards: torch.Tensor | None = None  # [N, R] scores minus the KL penalty (if in reward)
@@ -71,7 +72,7 @@ class StepSamples(SampleBatch):
             prompt_lengths=batch.attention_mask[:, :p].sum(-1), turn_lengths=batch.attention_mask[:, p:].sum(-1),
             prompts=batch.prompts, ground_truths=batch.ground_truths, extras=batch.extras,
             held=[None if held is None else (held, i) for i in range(len(batch))],
-            trajectories=batch.trajectories,
+            trajectories=batch.trajectories, prompt_width=batch.prompt_length,
         )  # fmt: skip
 
     def scored_parts(self) -> list[dict[str, float]]:
@@ -90,7 +91,12 @@ class StepSamples(SampleBatch):
         """The samples of `parts` in order, their [N, R] fields padded to the widest response."""
         parts = [p for p in parts if len(p) > 0] or parts[:1]
         width = max(p.responses.shape[1] for p in parts)
-        return cls.concat([_pad_responses(p, width, pad_token_id) for p in parts])
+        joined = cls.concat([_pad_responses(p, width, pad_token_id) for p in parts])
+        return replace(joined, prompt_width=max(p.prompt_width for p in parts))
+
+    def plan(self, rows: list[int]) -> TakePlan:
+        """How a rank takes `rows` of these samples from where they are held, at the step's widths."""
+        return TakePlan(plan_runs(self.held, rows), self.prompt_width, self.responses.shape[1])
 
 
 @dataclass(frozen=True)

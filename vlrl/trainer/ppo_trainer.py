@@ -27,7 +27,7 @@ import torch
 
 from vlrl.algorithms import apply_kl_penalty, compute_advantages, make_kl_controller
 from vlrl.algorithms.importance import combine_drift
-from vlrl.batch.held import publish, take, take_plan
+from vlrl.batch.held import publish, take
 from vlrl.batch.image_refs import ImageRefs
 from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.batch.samples import StepSamples
@@ -185,7 +185,7 @@ class PPOTrainer:
             )
             kl_in_reward = self.config.use_reference and not algo.use_kl_loss
             with timer("old_ref"):
-                plans = [take_plan(batch.held, rows) for rows in shards]
+                plans = [batch.plan(rows) for rows in shards]
                 results = self.ranks.call(
                     RankWorker.take_rows, plans, shards, with_old=not self.config.on_policy_update,
                     log_probs_back=kl_in_reward,
@@ -259,7 +259,8 @@ class PPOTrainer:
         """Start generating `prompts` on the engines for `step` (default: this one) and return at
         once; `_merge` the result."""
         shards, overrides = self._engine_inputs(prompts, overrides, round_, step)
-        return self.engines.submit(RankWorker.generate, shards, overrides=overrides, keep=keep)
+        kept_for = (self.global_step if step is None else step) if keep else None
+        return self.engines.submit(RankWorker.generate, shards, overrides=overrides, keep_for=kept_for)
 
     def _engine_inputs(
         self, prompts: PromptBatch, overrides: dict[str, Any] | None, round_: int, step: int | None = None
@@ -299,7 +300,10 @@ class PPOTrainer:
         with self.rewards.stream() as rewards:
             with timer("gen"):
                 calls = self.engines.stream(
-                    RankWorker.generate_stream, shards, overrides=overrides, keep=keep
+                    RankWorker.generate_stream,
+                    shards,
+                    overrides=overrides,
+                    keep_for=self.global_step if keep else None,
                 )
                 per_rank, added = self.scorer.stream(calls, shards, tp, rewards)
                 batch = self._merge(per_rank)
@@ -468,7 +472,7 @@ class PPOTrainer:
 
     def _rows_of(self, samples: StepSamples) -> RolloutBatch:
         """All the rows of `samples`, fetched from where they are held (to write them into a checkpoint)."""
-        return take(take_plan(samples.held, list(range(len(samples)))), self.data.pad_token_id)
+        return take(samples.plan(list(range(len(samples)))), self.data.pad_token_id)
 
     def _publish(self, batch: RolloutBatch) -> StepSamples:
         """Rows read from a checkpoint, published by the driver (images as references) for the ranks."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vlrl.algorithms.importance import log_prob_drift, truncated_importance_weighting
-from vlrl.batch.held import TakePlan, publish, take
+from vlrl.batch.held import Held, TakePlan, publish, take
 from vlrl.batch.image_refs import ImageRefs
 from vlrl.batch.rows import FinishedGroups, KeptRows, PromptBatch, RolloutBatch, spread_over_response
 from vlrl.batch.samples import StepSamples
@@ -79,6 +79,7 @@ class RankWorker:
         # under Ray, batches carry image references (vlrl.batch.image_refs); in-process, the images themselves
         self.image_refs = ImageRefs.ray() if _under_ray() else None
         self.broadcast: WeightBroadcast | None = None  # asynchronous mode: training rank 0 and rollout ranks
+        self.published: list[tuple[int, Held]] = []  # (step, batch) this rank published and still holds
 
     def setup(self, limit_images: int, optimizer_steps: int, limit_videos: int = 0) -> dict[str, float]:
         """Load the models and the engine, then give the engine the actor's weights.
@@ -121,25 +122,27 @@ class RankWorker:
 
     # ------------------------------------------------------------------------- step phases
     def generate(
-        self, prompts: PromptBatch, overrides: dict[str, Any] | None = None, keep: bool = True
+        self, prompts: PromptBatch, overrides: dict[str, Any] | None = None, keep_for: int | None = None
     ) -> StepSamples | None:
         """Sample responses for this rank's prompts (its data-parallel shard); None on a
         tensor-parallel peer that is not its group's first rank (the first reports the same rows)."""
-        *_, samples = self.generate_stream(prompts, overrides, keep)
+        *_, samples = self.generate_stream(prompts, overrides, keep_for)
         assert samples is None or isinstance(samples, StepSamples)
         return samples
 
     def generate_stream(
-        self, prompts: PromptBatch, overrides: dict[str, Any] | None = None, keep: bool = True
+        self, prompts: PromptBatch, overrides: dict[str, Any] | None = None, keep_for: int | None = None
     ) -> Iterator[FinishedGroups | StepSamples | None]:
         """`generate`, reporting groups as they finish, then the samples (as a Ray streaming
         generator the driver scores those groups while the rest are still generating). Only the
         first rank of a tensor-parallel group reports: its peers run the same engine on the same
         prompts, and yield None at the end instead.
 
-        The rows stay here: with `keep` the batch is published (`vlrl.batch.held`) and the driver
-        gets `StepSamples` that say where it is; the training ranks take their rows from it. Without
-        `keep` (validation, ReMax's greedy pass) nothing is published.
+        The rows stay here: with `keep_for` (the step that trains on them) the batch is published
+        (`vlrl.batch.held`) and the driver gets `StepSamples` that say where it is; the training ranks
+        take their rows from it. This rank holds its published batches until it generates for a later
+        step (`_hold`), so they outlive every reference the driver and the other ranks pass along.
+        Without `keep_for` (validation, ReMax's greedy pass) nothing is published.
 
         On a hybrid rank the actor's shards leave the GPU first (`worker.actor.offload`) and the
         allocator's cached blocks are released, so the engine can wake into that memory; the engine
@@ -169,7 +172,15 @@ class RankWorker:
             return
         if self.image_refs is not None:  # the batch holds references (tool images are stored here)
             self.image_refs.refer(batch)
-        yield StepSamples.of(batch, publish(batch) if keep else None)
+        yield StepSamples.of(batch, None if keep_for is None else self._hold(publish(batch), keep_for))
+
+    def _hold(self, held: Held, step: int) -> Held:
+        """Keep `held` alive here, its owner's reference, and drop what earlier steps published: a
+        hybrid rank's rows are taken within their step, a rollout rank's (asynchronous mode) during
+        the next step, while it already generates the one after."""
+        lag = 1 if self.role == "rollout" else 0
+        self.published = [(s, h) for s, h in self.published if s >= step - lag] + [(step, held)]
+        return held
 
     def _reports_rollouts(self) -> bool:
         """Whether this rank returns its engine's rollouts: the first rank of its tensor-parallel

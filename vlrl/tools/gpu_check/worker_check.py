@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from vlrl.batch.held import take_plan
 from vlrl.batch.rows import KeptRows, one_value_per_row
 from vlrl.batch.samples import StepSamples
 from vlrl.tools.gpu_check.context import Context, memory, sync, world_env
@@ -100,7 +99,7 @@ def check_rank_worker(ctx: Context, outcome: Outcome) -> None:
 
         prompts = prompt_batch(model_dir, config.data, config.data.rollout_batch_size, 56, ctx.seed)
         t = time.perf_counter()
-        batch = worker.generate(prompts)
+        batch = worker.generate(prompts, keep_for=1)  # published: the update takes these rows
         assert batch is not None  # a world of one: this rank reports its rollouts
         phase("generate", t)
         mask = batch.response_mask
@@ -210,6 +209,6 @@ def _old_and_ref(worker: Any, samples: StepSamples) -> tuple[torch.Tensor, torch
     """The rank worker's old (always asked for) and reference log-probs [N, R] of all the rows it
     generated, which it then keeps for an update (as in a step: `take_rows`)."""
     rows = list(range(len(samples)))
-    old, ref = worker.take_rows(take_plan(samples.held, rows), rows, with_old=True, log_probs_back=True)
+    old, ref = worker.take_rows(samples.plan(rows), rows, with_old=True, log_probs_back=True)
     assert old is not None
     return old, ref
