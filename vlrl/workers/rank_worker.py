@@ -172,6 +172,9 @@ class RankWorker:
             return
         if self.image_refs is not None:  # the batch holds references (tool images are stored here)
             self.image_refs.refer(batch)
+        # The engines assemble rows on the CPU (vlrl.rollout.output.assemble_rollout_batch), on GPU
+        # machines too, so what goes into the object store is host memory; the actor moves the rows
+        # it takes to its device (tests/gpu/test_actor_gpu.py runs take_rows + update on CUDA).
         yield StepSamples.of(batch, None if keep_for is None else self._hold(publish(batch), keep_for))
 
     def _hold(self, held: Held, step: int) -> Held:
