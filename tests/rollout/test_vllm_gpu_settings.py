@@ -249,8 +249,8 @@ def run_generate(role: str) -> list[str]:
     worker.config = SimpleNamespace(worker=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=1)))  # type: ignore[assignment]
     worker.actor = _RecordingActor(engine.calls)  # type: ignore[assignment]
     worker.published = []
-    items = list(worker.generate_stream(SimpleNamespace(), keep_for=1))  # type: ignore[arg-type]
-    assert isinstance(items[0], FinishedGroups) and isinstance(items[-1], StepSamples)
+    samples = worker.generate(SimpleNamespace(), keep_for=1)  # type: ignore[arg-type]
+    assert isinstance(samples, StepSamples)
     return engine.calls
 
 

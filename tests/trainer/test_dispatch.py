@@ -175,20 +175,14 @@ def test_ulysses_groups_get_identical_balanced_shards() -> None:
     assert gather_rows(shards, values, 8, 1)[:, 0].tolist() == list(range(8))
 
 
-def test_streamed_groups_land_on_their_merged_rows() -> None:
-    """A group reported by rank r goes to the rows its samples will have in the merged batch:
-    (prompts of earlier data-parallel groups + its row in the shard) x n + sample."""
+def test_streamed_groups_land_on_their_batch_rows() -> None:
+    """A group the engine reports finished is scored at the rows its samples have in the rank's
+    batch: (its prompt's row in the shard) x n + sample."""
     from vlrl.batch.rows import FinishedGroups
-    from vlrl.trainer.scoring import merged_rows, prompt_offsets
+    from vlrl.workers.scoring import batch_rows
 
-    shards = split_prompts(_prompts(5), world_size=4, tp_size=2)  # groups of 2 and 3 prompts
-    assert prompt_offsets(shards, tp_size=2) == [0, 0, 2, 2]
-    # rank 2 (second group) finished its prompts 2 and 0, with 2 samples each
-    groups = FinishedGroups(prompt_rows=[2, 0], responses=[[1], [2], [3], [4]])
-    merged_uids = [uid for s in shards[::2] for uid in s.uids for _ in range(2)]  # the merged rows' prompts
-    rows = merged_rows(groups, prompt_offsets(shards, 2)[2])
-    assert rows == [8, 9, 4, 5]
-    assert [merged_uids[r] for r in rows] == [shards[2].uids[2]] * 2 + [shards[2].uids[0]] * 2
+    # prompts 2 and 0 of the shard finished, with 2 samples each
+    assert batch_rows(FinishedGroups(prompt_rows=[2, 0], responses=[[1], [2], [3], [4]])) == [4, 5, 0, 1]
 
 
 def test_every_tensor_field_has_a_padding_kind() -> None:

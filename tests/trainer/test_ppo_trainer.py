@@ -132,11 +132,11 @@ def test_online_filtering_refills_the_batch_with_unsolved_groups(make) -> None:
     # the rows stay where the rounds published them; taken back, they are the kept samples, in order
     assert len({id(held) for held, _ in batch.held}) >= 2  # rows of more than one round
     rows = trainer._rows_of(batch)
-    width = min(rows.responses.shape[1], batch.responses.shape[1])
+    assert batch.responses is None  # the rank scored them: no ids reached the driver
     assert rows.ground_truths == batch.ground_truths and torch.equal(
         rows.group_ids % (1 << 40), batch.group_ids % (1 << 40)
     )
-    assert torch.equal(rows.responses[:, :width], batch.responses[:, :width])
+    assert torch.equal(rows.response_mask, batch.response_mask)  # both at the step's width
     assert torch.equal(rows.attention_mask.sum(-1), batch.sequence_lengths)
 
 
@@ -197,13 +197,16 @@ def test_on_policy_update_skips_the_old_log_prob_pass(make) -> None:
     assert "rollout/log_prob_diff_mean" in metrics  # engine vs the update's old log-probs
 
 
-def test_streamed_rewards_score_the_groups_as_they_finish_and_the_same_batch(make) -> None:
+def test_the_rank_scores_groups_as_they_finish_and_the_same_batch_as_after_or_on_the_driver(make) -> None:
     """vLLM reports groups as they finish (4 sequences run at a time, so 4 prompts x 4 samples end in
-    waves); each wave goes to the reward workers at its final rows, and the batch and its scores
-    equal those of scoring after generation."""
+    waves); the generating rank hands each wave to its reward workers at the wave's rows, and the
+    scores equal those of scoring after generation, on the rank or on the driver. The driver gets
+    no response ids unless it asks."""
     trainer = make("worker.rollout.name=vllm", "worker.rollout.max_num_seqs=4", "data.max_response_length=8")
+    rank = trainer.engines.workers[0]
+    rank.rewards = RewardRunner(trainer.config.worker.reward)  # what the rank starts on first use, spied
     adds: list[list[int]] = []
-    open_stream = trainer.rewards.stream
+    open_stream = rank.rewards.stream
 
     def spied_stream():
         stream = open_stream()
@@ -211,15 +214,22 @@ def test_streamed_rewards_score_the_groups_as_they_finish_and_the_same_batch(mak
         stream.add = lambda inputs, rows: (adds.append(list(rows)), add(inputs, rows))[1]
         return stream
 
-    trainer.rewards.stream = spied_stream
+    rank.rewards.stream = spied_stream
     trainer.global_step = 1
     prompts = trainer.data.next_train_batch()
-    streamed, streamed_metrics = trainer._generate_and_score(prompts)
+    streamed, streamed_metrics = trainer._generate_and_score(prompts, responses_back=True)
     assert len(adds) > 1 and sorted(sum(adds, [])) == list(range(16))
-    after = trainer._generate(prompts)  # what worker.reward.streaming=false does: generate, then score
-    after_metrics = trainer._score(after)
-    for name in ("responses", "response_mask", "prompt_lengths", "turn_lengths", "token_level_scores"):
-        assert torch.equal(getattr(streamed, name), getattr(after, name)), name
+    # worker.reward.streaming=false, on the frozen config the in-process rank shares
+    object.__setattr__(trainer.config.worker.reward, "streaming", False)
+    adds.clear()
+    after, after_metrics = trainer._generate_and_score(prompts, responses_back=True)
+    assert adds == [list(range(16))]  # all at once, after generation
+    on_driver = trainer._generate(prompts, responses_back=True)
+    on_driver.reward_parts = None  # as rows read from a checkpoint: the driver's reward workers score them
+    driver_metrics = trainer._score(on_driver)
+    for other in (after, on_driver):
+        for name in ("responses", "response_mask", "prompt_lengths", "turn_lengths", "token_level_scores"):
+            assert torch.equal(getattr(streamed, name), getattr(other, name)), name
     streamed_rows, after_rows = trainer._rows_of(streamed), trainer._rows_of(after)  # held on the rank
     for name in ("input_ids", "attention_mask", "position_ids", "responses", "rollout_log_probs"):
         assert torch.equal(getattr(streamed_rows, name), getattr(after_rows, name)), name
@@ -227,10 +237,12 @@ def test_streamed_rewards_score_the_groups_as_they_finish_and_the_same_batch(mak
     def without_calls(values: dict) -> dict:  # the calls' sizes differ by design
         return {key: value for key, value in values.items() if "calls" not in key}
 
-    assert [without_calls(p) for p in streamed.scored_parts()] == [
-        without_calls(p) for p in after.scored_parts()
-    ]
-    assert without_calls(streamed_metrics) == without_calls(after_metrics)
+    for other, metrics in ((after, after_metrics), (on_driver, driver_metrics)):
+        assert [without_calls(p) for p in streamed.scored_parts()] == [
+            without_calls(p) for p in other.scored_parts()
+        ]
+        assert without_calls(streamed_metrics) == without_calls(metrics)
+    assert trainer._generate(prompts).responses is None  # a training step's samples: scores, no ids
 
 
 def test_a_resumed_run_validates_first_and_val_only_never_trains(

@@ -74,29 +74,53 @@ def test_actor_offloads_before_the_engine_wakes_and_returns_after(monkeypatch) -
     ]
 
 
-def test_streamed_groups_pass_while_the_actor_is_away_and_the_batch_comes_last() -> None:
+class _Scoring:
+    """Fake `RankScoring`: records when groups arrive and when the batch is finished."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def add_groups(self, groups: FinishedGroups) -> None:
+        self.calls.append(f"score groups {groups.prompt_rows}")
+
+    def finish(self, batch: RolloutBatch):
+        self.calls.append("score the rest")
+        return SimpleNamespace(scores=[{"overall": 1.0}] * len(batch), failures=2), 0.5
+
+    def abort(self) -> None:
+        self.calls.append("abort scoring")
+
+
+def _scoring_worker(calls: list[str], **kwargs) -> RankWorker:
+    worker = _worker(calls, "cpu", **kwargs)
+    worker._scoring = lambda prompts: _Scoring(calls)
+    return worker
+
+
+def test_streamed_groups_are_scored_while_the_actor_is_away_and_the_rest_after() -> None:
     calls: list[str] = []
-    stream = _worker(calls, "cpu").generate_stream(prompts=SimpleNamespace(images=[]), keep_for=1)
-    assert next(stream) is GROUPS
-    assert calls[-1] == "rollout.generate_stream"  # the actor is still offloaded
-    rest = list(stream)
-    assert len(rest) == 1 and _is_batch(rest[0]) and calls[-1] == "actor.load_to_device"
+    samples = _scoring_worker(calls).generate(prompts=SimpleNamespace(images=[]), keep_for=1, score=True)
+    assert calls.index("score groups [0]") < calls.index("rollout.sleep")  # during generation
+    assert calls[-2:] == ["actor.load_to_device", "score the rest"]  # the actor is back first
+    assert _is_batch(samples) and samples.reward_parts == [{"overall": 1.0}]
+    assert (samples.reward_failures, samples.reward_wait_s) == (2, 0.5)
+    assert samples.responses is not None  # responses_back defaults to true
+    kept = _scoring_worker([]).generate(prompts=SimpleNamespace(images=[]), score=True, responses_back=False)
+    assert kept.responses is None and kept.reward_parts == [{"overall": 1.0}]
 
 
-def test_only_the_first_rank_of_a_tensor_parallel_group_returns_rollouts() -> None:
-    """Its peers ran the same engine on the same prompts: they send no copy of the rows (nor of
-    the streamed groups) through the driver."""
+def test_only_the_first_rank_of_a_tensor_parallel_group_returns_and_scores_rollouts() -> None:
+    """Its peers ran the same engine on the same prompts: they send no copy of the rows through
+    the driver, and score nothing."""
     for rank in range(4):
-        items = list(
-            _worker([], "cpu", rank=rank, tp=2).generate_stream(
-                prompts=SimpleNamespace(images=[]), keep_for=1
-            )
+        calls: list[str] = []
+        samples = _scoring_worker(calls, rank=rank, tp=2).generate(
+            prompts=SimpleNamespace(images=[]), keep_for=1, score=True
         )
         if rank % 2 == 0:
-            assert items[0] is GROUPS and _is_batch(items[1]) and len(items) == 2, rank
+            assert _is_batch(samples) and "score the rest" in calls, rank
         else:
-            assert items == [None], rank
-    assert _worker([], "cpu", rank=1, tp=2).generate(prompts=SimpleNamespace(images=[]), keep_for=1) is None
+            assert samples is None and not [c for c in calls if c.startswith("score")], rank
 
 
 def test_no_cuda_cache_release_on_cpu(monkeypatch) -> None:
@@ -106,13 +130,13 @@ def test_no_cuda_cache_release_on_cpu(monkeypatch) -> None:
     assert "empty_cache" not in calls and calls[0] == "actor.offload_to_cpu"
 
 
-def test_actor_comes_back_when_generation_fails() -> None:
+def test_actor_comes_back_and_scoring_stops_when_generation_fails() -> None:
     calls: list[str] = []
     with pytest.raises(RuntimeError, match="engine failed"):
-        _worker(calls, "cpu", fail_on="generate_stream").generate(
-            prompts=SimpleNamespace(images=[]), keep_for=1
+        _scoring_worker(calls, fail_on="generate_stream").generate(
+            prompts=SimpleNamespace(images=[]), keep_for=1, score=True
         )
-    assert calls[-1] == "actor.load_to_device"
+    assert calls[-2:] == ["actor.load_to_device", "abort scoring"]
 
 
 def test_gpu_process_group_has_a_cpu_backend_for_fsdp_cpu_offload() -> None:

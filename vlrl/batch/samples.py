@@ -25,8 +25,10 @@ SAMPLE_RESPONSE_FIELDS = (
 
 @dataclass
 class StepSamples(SampleBatch):
-    """N samples (group members adjacent), R = longest response. The reward function reads the
-    responses, so their token ids come to the driver; nothing else of the sequences does.
+    """N samples (group members adjacent), R = longest response. The generating ranks score their
+    rows (`vlrl.workers.scoring`), so the driver gets each sample's reward parts and no token ids;
+    the response ids come only when the driver needs them (a reward that must see the whole batch
+    at once, the generations validation logs).
 
     Pickled (a generating rank's report to the driver), `responses` and `response_mask` travel
     ragged (`Ragged`: each row's first `turn_lengths` entries, the padding left out), so their bytes
@@ -35,7 +37,8 @@ class StepSamples(SampleBatch):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         for name, fill in (("responses", None), ("response_mask", 0)):
-            packed = Ragged.pack(getattr(self, name), self.turn_lengths, fill)
+            value = getattr(self, name)
+            packed = None if value is None else Ragged.pack(value, self.turn_lengths, fill)
             if packed is not None:
                 state[name] = packed
         return state
@@ -43,7 +46,7 @@ class StepSamples(SampleBatch):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__({k: v.unpack() if isinstance(v, Ragged) else v for k, v in state.items()})
 
-    responses: torch.Tensor  # [N, R] response token ids, right-padded with the pad id
+    responses: torch.Tensor | None  # [N, R] response token ids, right-padded with the pad id; None: not sent
     response_mask: torch.Tensor  # [N, R] 1 up to and including the first EOS (multi-turn: sampled tokens)
     group_ids: torch.Tensor  # [N] samples of one prompt share an id
     prompt_lengths: torch.Tensor  # [N] the prompt's tokens
@@ -61,14 +64,17 @@ class StepSamples(SampleBatch):
     ref_log_probs: torch.Tensor | None = None  # [N, R] likewise
     advantages: torch.Tensor | None = None  # [N, R]
     returns: torch.Tensor | None = None  # [N, R]
-    reward_parts: list[dict[str, float]] | None = None
+    reward_parts: list[dict[str, float]] | None = None  # per sample: filled where the rows are scored
+    reward_failures: int = 0  # samples whose reward failed (scored 0 with worker.reward.on_failure=zero)
+    reward_wait_s: float = 0.0  # a rank's wait for its rewards after generation ended (merged: the longest)
 
     @classmethod
-    def of(cls, batch: RolloutBatch, held: Held | None) -> StepSamples:
-        """The driver's view of `batch`, whose rows are held at `held` (None: not kept anywhere)."""
+    def of(cls, batch: RolloutBatch, held: Held | None, with_responses: bool = True) -> StepSamples:
+        """The driver's view of `batch`, whose rows are held at `held` (None: not kept anywhere);
+        without `with_responses` the response ids stay behind."""
         p = batch.prompt_length
         return cls(
-            responses=batch.responses, response_mask=batch.response_mask, group_ids=batch.group_ids,
+            responses=batch.responses if with_responses else None, response_mask=batch.response_mask, group_ids=batch.group_ids,
             prompt_lengths=batch.attention_mask[:, :p].sum(-1), turn_lengths=batch.attention_mask[:, p:].sum(-1),
             prompts=batch.prompts, ground_truths=batch.ground_truths, extras=batch.extras,
             held=[None if held is None else (held, i) for i in range(len(batch))],
@@ -90,13 +96,13 @@ class StepSamples(SampleBatch):
     def join(cls, parts: list[StepSamples], pad_token_id: int) -> StepSamples:
         """The samples of `parts` in order, their [N, R] fields padded to the widest response."""
         parts = [p for p in parts if len(p) > 0] or parts[:1]
-        width = max(p.responses.shape[1] for p in parts)
+        width = max(p.response_mask.shape[1] for p in parts)
         joined = cls.concat([_pad_responses(p, width, pad_token_id) for p in parts])
         return replace(joined, prompt_width=max(p.prompt_width for p in parts))
 
     def plan(self, rows: list[int]) -> TakePlan:
         """How a rank takes `rows` of these samples from where they are held, at the step's widths."""
-        return TakePlan(plan_runs(self.held, rows), self.prompt_width, self.responses.shape[1])
+        return TakePlan(plan_runs(self.held, rows), self.prompt_width, self.response_mask.shape[1])
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,7 @@ class Ragged:
 
 
 def _pad_responses(samples: StepSamples, width: int, pad_id: int) -> StepSamples:
-    right = width - samples.responses.shape[1]
+    right = width - samples.response_mask.shape[1]
     if right == 0:
         return samples
     padded: dict[str, Any] = {

@@ -31,7 +31,10 @@ def split_prompts(prompts: PromptBatch, world_size: int, tp_size: int) -> list[P
 def merge_samples(per_rank: Sequence[StepSamples | None], tp_size: int, pad_token_id: int) -> StepSamples:
     """The samples of every data-parallel group in order, from its first rank (its peers report None)."""
     parts = [s for rank, s in enumerate(per_rank) if rank % tp_size == 0 and s is not None]
-    return StepSamples.join(parts, pad_token_id)
+    merged = StepSamples.join(parts, pad_token_id)
+    merged.reward_failures = sum(p.reward_failures for p in parts)
+    merged.reward_wait_s = max(p.reward_wait_s for p in parts)  # the ranks wait side by side
+    return merged
 
 
 def balanced_shards(lengths: torch.Tensor, world_size: int, ulysses_size: int = 1) -> list[list[int]]:

@@ -27,6 +27,11 @@ class PhaseTimer:
         finally:
             self.seconds[name] += time.perf_counter() - start
 
+    def move(self, seconds: float, source: str, target: str) -> None:
+        """Count `seconds` of phase `source` as `target`'s (a rank's reward wait inside generation)."""
+        self.seconds[source] -= seconds
+        self.seconds[target] += seconds
+
     def metrics(self) -> dict[str, float]:
         return {f"timing/{name}": value for name, value in self.seconds.items()}
 

@@ -2,7 +2,7 @@
 
 One step, top to bottom (see `train_step`):
   1. generate   n responses per prompt on every rank's rollout engine (its data-parallel shard)
-  2. reward     decode and score the responses in the reward worker processes
+  2. reward     decode and score the responses in the generating ranks' reward worker processes
      (online filtering: drop groups whose mean reward is at a bound, generate more, repeat)
   3. log-probs  old-policy and reference log-probs on the ranks (token-balanced shards)
   4. KL         penalty in the reward (unless it is a loss term)
@@ -33,6 +33,7 @@ from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
 from vlrl.models.sampling import truncation_warning
+from vlrl.rewards import RewardResult, scores_to_token_level
 from vlrl.rollout.base import eos_token_ids
 from vlrl.trainer.async_rollout import AsyncRollout, Prefetched
 from vlrl.trainer.checkpoint import CheckpointManager, check_checkpoint, read_state
@@ -49,9 +50,9 @@ from vlrl.trainer.metrics import (
 )
 from vlrl.trainer.ranks import Pending, RankRoles
 from vlrl.trainer.rounds import BatchFiller
-from vlrl.trainer.scoring import BatchScorer
 from vlrl.utils.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
 from vlrl.workers.rank_worker import RankWorker, check_same_banned_tokens
+from vlrl.workers.scoring import BatchScorer
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class PPOTrainer:
             config.worker.reward.skip_special_tokens,
         )  # fmt: skip
         self.rewards = rewards
+        # the generating ranks score their rows, unless the reward must see the whole batch at once
+        self.rank_scoring = not rewards.whole_batches
         algo = config.algorithm
         self.kl_ctrl = make_kl_controller(algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon)
         run_root = config.trainer.save_checkpoint_path
@@ -193,7 +196,7 @@ class PPOTrainer:
             with timer("adv"):
                 batch.token_level_rewards = batch.tensor("token_level_scores")
                 if kl_in_reward:  # 4. KL penalty in the reward (GRPO instead puts KL in the loss)
-                    width = batch.responses.shape[1]
+                    width = batch.response_mask.shape[1]
                     batch.old_log_probs = gather_rows(shards, [old for old, _ in results], n, width)
                     batch.ref_log_probs = gather_rows(shards, [ref for _, ref in results], n, width)
                     batch.token_level_rewards, current_kl = apply_kl_penalty(
@@ -243,10 +246,13 @@ class PPOTrainer:
         overrides: dict[str, Any] | None = None,
         round_: int = 0,
         keep: bool = True,
+        responses_back: bool = False,
     ) -> StepSamples:
-        """Responses for `prompts` from every rank's engine. `round_`: the generation round of this
-        step (each round gets its own seed); `keep`: the ranks publish the rows for training."""
-        return self._merge(self._submit_generate(prompts, overrides, round_, keep=keep).result())
+        """Responses for `prompts` from every rank's engine, scored there (`rank_scoring`).
+        `round_`: the generation round of this step (each round gets its own seed); `keep`: the
+        ranks publish the rows for training; `responses_back`: the samples carry the response ids."""
+        pending = self._submit_generate(prompts, overrides, round_, keep=keep, responses_back=responses_back)
+        return self._merge(pending.result())
 
     def _submit_generate(
         self,
@@ -255,12 +261,16 @@ class PPOTrainer:
         round_: int = 0,
         step: int | None = None,
         keep: bool = True,
+        responses_back: bool = False,
     ) -> Pending:
         """Start generating `prompts` on the engines for `step` (default: this one) and return at
         once; `_merge` the result."""
         shards, overrides = self._engine_inputs(prompts, overrides, round_, step)
         kept_for = (self.global_step if step is None else step) if keep else None
-        return self.engines.submit(RankWorker.generate, shards, overrides=overrides, keep_for=kept_for)
+        return self.engines.submit(
+            RankWorker.generate, shards, overrides=overrides, keep_for=kept_for, score=self.rank_scoring,
+            responses_back=responses_back or not self.rank_scoring,
+        )  # fmt: skip
 
     def _engine_inputs(
         self, prompts: PromptBatch, overrides: dict[str, Any] | None, round_: int, step: int | None = None
@@ -283,32 +293,20 @@ class PPOTrainer:
         round_: int = 0,
         timer: PhaseTimer | None = None,
         keep: bool = True,
+        responses_back: bool = False,
     ) -> tuple[StepSamples, dict[str, float]]:
-        """Generate and score `prompts`; with `worker.reward.streaming` the groups are scored while
-        the rest generate (`vlrl.trainer.scoring`), and `timing/reward` is only the wait after
-        generation ended; a batch reward that has not declared `PARTIAL_BATCHES = True` gets the
-        whole batch after generation instead. `keep`: the ranks publish the rows for training
-        (not for validation or ReMax's greedy pass). Returns the scored samples and the reward metrics."""
+        """Generate and score `prompts`. The ranks score while they generate (with
+        `worker.reward.streaming`, each group as it finishes): `timing/reward` is only their wait
+        after generation ended. A batch reward that has not declared `PARTIAL_BATCHES = True` gets
+        the whole batch on the driver after generation instead. `keep`: the ranks publish the rows
+        for training (not for validation or ReMax's greedy pass). Returns the scored samples and
+        the reward metrics."""
         timer = timer or PhaseTimer()
-        if not self.config.worker.reward.streaming or self.rewards.whole_batches:
-            with timer("gen"):
-                batch = self._generate(prompts, overrides, round_, keep)
-            with timer("reward"):
-                return batch, self._score(batch)
-        shards, overrides = self._engine_inputs(prompts, overrides, round_)
-        tp = self.config.worker.rollout.tensor_parallel_size
-        with self.rewards.stream() as rewards:
-            with timer("gen"):
-                calls = self.engines.stream(
-                    RankWorker.generate_stream,
-                    shards,
-                    overrides=overrides,
-                    keep_for=self.global_step if keep else None,
-                )
-                per_rank, added = self.scorer.stream(calls, shards, tp, rewards)
-                batch = self._merge(per_rank)
-            with timer("reward"):
-                return batch, self.scorer.finish(rewards, batch, added)
+        with timer("gen"):
+            batch = self._generate(prompts, overrides, round_, keep, responses_back)
+        timer.move(batch.reward_wait_s, "gen", "reward")
+        with timer("reward"):
+            return batch, self._score(batch)
 
     def _merge(self, per_rank: Sequence[StepSamples | None]) -> StepSamples:
         return merge_samples(
@@ -359,8 +357,17 @@ class PPOTrainer:
         return ahead.prompts, batch, metrics
 
     def _score(self, batch: StepSamples) -> dict[str, float]:
-        """Decode, score in the reward workers, and put the score on each response's last token."""
-        return self.scorer.apply(batch, self.rewards.score(self.scorer.inputs(batch)))
+        """Put each sample's overall score on its response's last token; the reward metrics. The
+        ranks scored the samples, except for a whole-batch reward or rows read from a checkpoint
+        (asynchronous resume), which the driver's reward workers score here."""
+        if batch.reward_parts is None:
+            result = self.rewards.score(self.scorer.inputs(batch))
+            batch.reward_parts = result.scores
+        else:
+            result = RewardResult(batch.reward_parts, batch.reward_failures)
+        overall = torch.tensor([s["overall"] for s in result.scores], dtype=torch.float32)
+        batch.token_level_scores = scores_to_token_level(overall, batch.response_mask)
+        return result.metrics()
 
     def _remax_baselines(self, prompts: PromptBatch, batch: StepSamples, round_: int) -> torch.Tensor:
         """ReMax: each sample's baseline is the reward of a greedy response to its prompt. [N]"""
@@ -382,7 +389,8 @@ class PPOTrainer:
         start = time.perf_counter()
         assert self.data.val_loader is not None  # the loop validates only when there is val data
         for prompts in self.data.val_loader:
-            batch, _ = self._generate_and_score(prompts, overrides, keep=False)
+            logging = len(samples) < self.config.trainer.val_generations_to_log
+            batch, _ = self._generate_and_score(prompts, overrides, keep=False, responses_back=logging)
             parts.extend(batch.scored_parts())
             lengths.extend(batch.response_mask.sum(-1).tolist())
             trajectories.extend(batch.trajectories or [])
@@ -403,6 +411,7 @@ class PPOTrainer:
 
     def _generation_samples(self, batch: StepSamples) -> list[dict[str, Any]]:
         lengths = batch.turn_lengths.tolist()  # multi-turn: all turns
+        assert batch.responses is not None  # validation asks for them while it logs generations
         return [
             {"prompt": prompt, "response": self.tokenizer.decode(row[:n], skip_special_tokens=True),
              "ground_truth": truth, "score": parts.get("overall")}

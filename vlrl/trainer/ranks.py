@@ -9,7 +9,7 @@ without Ray, which is how the trainer's logic is unit-tested (tests/trainer/test
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
@@ -24,19 +24,6 @@ class Pending(Protocol):
     def result(self) -> list[Any]: ...
 
 
-class RankStream(Protocol):
-    """Generator calls in flight on a group's ranks (`Ranks.stream`)."""
-
-    @property
-    def done(self) -> bool:
-        """Every rank's generator has ended."""
-        ...
-
-    def poll(self, timeout: float) -> list[tuple[int, Any]]:
-        """The (rank, item) pairs that arrived within `timeout` seconds (maybe none)."""
-        ...
-
-
 class Ranks(Protocol):
     """One remote call per rank, results by rank (see `vlrl.trainer.ray_workers.RankGroup`);
     `submit` starts the calls and returns at once, so the driver can overlap two groups' work."""
@@ -48,10 +35,6 @@ class Ranks(Protocol):
     def submit(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> Pending: ...
 
     def call_all(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]: ...
-
-    def stream(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> RankStream:
-        """Start a generator method on every rank; its items come as they are yielded."""
-        ...
 
     def shutdown(self) -> None: ...
 
@@ -112,13 +95,6 @@ class InProcessRanks:
     def call_all(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         return self.call(method, *([arg] * len(self.workers) for arg in args), **kwargs)
 
-    def stream(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> InProcessStream:
-        check_one_per_rank(method.__name__, per_rank, len(self.workers))
-        return InProcessStream([
-            getattr(worker, method.__name__)(*(args[rank] for args in per_rank), **kwargs)
-            for rank, worker in enumerate(self.workers)
-        ])  # fmt: skip
-
     def shutdown(self) -> None:
         for worker in self.workers:
             if hasattr(worker, "shutdown"):
@@ -133,29 +109,6 @@ class Done:
 
     def result(self) -> list[Any]:
         return self.results
-
-
-class InProcessStream:
-    """The ranks' generators advanced one item per `poll`, rank after rank (the item is computed
-    in the call, so nothing arrives "within" a timeout: each poll waits for one)."""
-
-    def __init__(self, generators: list[Iterator[Any]]) -> None:
-        self.generators, self.rank = generators, 0
-
-    @property
-    def done(self) -> bool:
-        return self.rank == len(self.generators)
-
-    def poll(self, timeout: float) -> list[tuple[int, Any]]:
-        while not self.done:
-            item = next(self.generators[self.rank], _END)
-            if item is not _END:
-                return [(self.rank, item)]
-            self.rank += 1
-        return []
-
-
-_END = object()
 
 
 def check_one_per_rank(method: str, per_rank: tuple[list[Any], ...], ranks: int) -> None:

@@ -187,19 +187,6 @@ class RankGroup:
         """The same arguments on every rank."""
         return self.call(method, *([arg] * len(self.workers) for arg in args), **kwargs)
 
-    def stream(self, method: Method, *per_rank: list[Any], **kwargs: Any) -> Streaming:
-        """Start the generator `worker[r].method(per_rank[0][r], ...)` on every rank as a Ray
-        streaming generator: each yielded item can be taken as soon as it is yielded."""
-        name = method.__name__
-        check_one_per_rank(name, per_rank, len(self.workers))
-        generators = [
-            getattr(worker, name)
-            .options(num_returns="streaming")
-            .remote(*(args[rank] for args in per_rank), **kwargs)
-            for rank, worker in enumerate(self.workers)
-        ]
-        return Streaming(name, generators, self)
-
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):  # best effort: the processes are killed next anyway
             ray.get([w.shutdown.remote() for w in self.workers], timeout=SHUTDOWN_WAIT_S)
@@ -235,48 +222,6 @@ class Pending:
                 raise deadlines.hang_error(self.method, clock.elapsed(), silent)
         deadlines.record(self.method, clock.elapsed())
         return _get(self.method, self.refs)
-
-
-class Streaming:
-    """Generator calls in flight on a group's ranks (`RankGroup.stream`); the whole stream has the
-    limit of one call of its method."""
-
-    def __init__(self, method: str, generators: list[Any], group: RankGroup) -> None:
-        self.method, self.group, self.clock = method, group, Stopwatch()
-        self.active = {id(g): (rank, g) for rank, g in enumerate(generators)}
-
-    @property
-    def done(self) -> bool:
-        return not self.active
-
-    def poll(self, timeout: float) -> list[tuple[int, Any]]:
-        """The items yielded within `timeout` s, at most one per rank (an ended generator is
-        ready at once: its `next` stops)."""
-        if not self.active:
-            return []
-        waiting = [g for _, g in self.active.values()]
-        ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout)
-        items = []
-        for generator in ready:
-            rank = self.active[id(generator)][0]
-            try:
-                ref = next(generator)
-            except StopIteration:
-                del self.active[id(generator)]
-                continue
-            items.append((rank, _get(self.method, ref)))
-        self._check_deadline()
-        return items
-
-    def _check_deadline(self) -> None:
-        deadlines = self.group.deadlines
-        if not self.active:
-            deadlines.record(self.method, self.clock.elapsed())
-            return
-        limit = deadlines.limit(self.method)
-        if limit is not None and self.clock.elapsed() >= limit:
-            silent = [self.group.names[rank] for rank, _ in self.active.values()]
-            raise deadlines.hang_error(self.method, self.clock.elapsed(), silent)
 
 
 def _get(method: str, refs: Any) -> Any:

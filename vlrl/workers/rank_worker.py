@@ -11,7 +11,6 @@ import datetime
 import os
 import socket
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,8 +25,10 @@ from vlrl.rollout.weight_broadcast import WeightBroadcast
 from vlrl.utils.gpu_driver import check_torch_sees_cuda
 from vlrl.utils.library_logs import quiet_library_logs
 from vlrl.utils.rank_threads import set_rank_threads
+from vlrl.workers.scoring import BatchScorer, RankScoring
 
 if TYPE_CHECKING:
+    from vlrl.rewards.runner import RewardRunner
     from vlrl.rollout.base import RolloutEngine
     from vlrl.workers.actor import Actor
     from vlrl.workers.reference import AdapterOffReference, Reference
@@ -80,6 +81,7 @@ class RankWorker:
         self.image_refs = ImageRefs.ray() if _under_ray() else None
         self.broadcast: WeightBroadcast | None = None  # asynchronous mode: training rank 0 and rollout ranks
         self.published: list[tuple[int, Held]] = []  # (step, batch) this rank published and still holds
+        self.rewards: RewardRunner | None = None  # this rank's reward workers (`generate(score=True)`)
 
     def setup(self, limit_images: int, optimizer_steps: int, limit_videos: int = 0) -> dict[str, float]:
         """Load the models and the engine, then give the engine the actor's weights.
@@ -88,7 +90,7 @@ class RankWorker:
         `optimizer_steps`: of the whole run (for the LR schedule)."""
         from vlrl.models.processor import load_processor
         from vlrl.rollout import create_rollout_engine
-        from vlrl.rollout.base import pad_token_id
+        from vlrl.rollout.base import eos_token_ids, pad_token_id
         from vlrl.workers.from_config import build_actor, build_reference
 
         model = self.config.worker.actor.model
@@ -97,6 +99,10 @@ class RankWorker:
         )
         self.pad_token_id = pad_token_id(tokenizer)  # the engines' (rows taken from them are padded with it)
         if self.role != "train":
+            self.scorer = BatchScorer(
+                tokenizer, self.pad_token_id, eos_token_ids(tokenizer, model.model_path),
+                self.config.worker.reward.skip_special_tokens,
+            )  # fmt: skip
             self.rollout = create_rollout_engine(
                 self.config.worker.rollout, self.config.data, model.model_path, tokenizer, processor,
                 limit_images=limit_images, limit_videos=limit_videos, rollout_only=self.role == "rollout",
@@ -122,21 +128,15 @@ class RankWorker:
 
     # ------------------------------------------------------------------------- step phases
     def generate(
-        self, prompts: PromptBatch, overrides: dict[str, Any] | None = None, keep_for: int | None = None
+        self,
+        prompts: PromptBatch,
+        overrides: dict[str, Any] | None = None,
+        keep_for: int | None = None,
+        score: bool = False,
+        responses_back: bool = True,
     ) -> StepSamples | None:
         """Sample responses for this rank's prompts (its data-parallel shard); None on a
-        tensor-parallel peer that is not its group's first rank (the first reports the same rows)."""
-        *_, samples = self.generate_stream(prompts, overrides, keep_for)
-        assert samples is None or isinstance(samples, StepSamples)
-        return samples
-
-    def generate_stream(
-        self, prompts: PromptBatch, overrides: dict[str, Any] | None = None, keep_for: int | None = None
-    ) -> Iterator[FinishedGroups | StepSamples | None]:
-        """`generate`, reporting groups as they finish, then the samples (as a Ray streaming
-        generator the driver scores those groups while the rest are still generating). Only the
-        first rank of a tensor-parallel group reports: its peers run the same engine on the same
-        prompts, and yield None at the end instead.
+        tensor-parallel peer that is not its group's first rank (the first reports the same rows).
 
         The rows stay here: with `keep_for` (the step that trains on them) the batch is published
         (`vlrl.batch.held`) and the driver gets `StepSamples` that say where it is; the training ranks
@@ -144,11 +144,40 @@ class RankWorker:
         step (`_hold`), so they outlive every reference the driver and the other ranks pass along.
         Without `keep_for` (validation, ReMax's greedy pass) nothing is published.
 
+        With `score` this rank scores its rows in its own reward workers (`vlrl.workers.scoring`;
+        each group as the engine reports it, with `worker.reward.streaming`) and the samples carry
+        their reward parts; `responses_back`: they carry the response ids too."""
+        self._fetch_media(prompts)
+        scoring = self._scoring(prompts) if score and self._reports_rollouts() else None
+        try:
+            batch = self._run_engine(prompts, overrides, scoring)
+        except BaseException:
+            if scoring is not None:
+                scoring.abort()
+            raise
+        if not self._reports_rollouts():
+            return None
+        if self.image_refs is not None:  # the batch holds references (tool images are stored here)
+            self.image_refs.refer(batch)
+        # The engines assemble rows on the CPU (vlrl.rollout.output.assemble_rollout_batch), on GPU
+        # machines too, so what goes into the object store is host memory; the actor moves the rows
+        # it takes to its device (tests/gpu/test_actor_gpu.py runs take_rows + update on CUDA).
+        held = None if keep_for is None else self._hold(publish(batch), keep_for)
+        samples = StepSamples.of(batch, held, with_responses=responses_back)
+        if scoring is not None:
+            result, samples.reward_wait_s = scoring.finish(batch)
+            samples.reward_parts, samples.reward_failures = result.scores, result.failures
+        return samples
+
+    def _run_engine(
+        self, prompts: PromptBatch, overrides: dict[str, Any] | None, scoring: RankScoring | None
+    ) -> RolloutBatch:
+        """The engine's batch for `prompts`; the groups it reports finished early go to `scoring`.
+
         On a hybrid rank the actor's shards leave the GPU first (`worker.actor.offload`) and the
         allocator's cached blocks are released, so the engine can wake into that memory; the engine
         sleeps again and they come back afterwards. A rollout-only rank (asynchronous mode) holds
         nothing to make room for: its engine stays awake between steps."""
-        self._fetch_media(prompts)
         hybrid = self.role == "hybrid"
         if hybrid:
             self.actor.offload_to_cpu()
@@ -157,25 +186,24 @@ class RankWorker:
             if hybrid:
                 self.rollout.wake_up()
             for item in self.rollout.generate_stream(prompts, overrides):
-                if isinstance(item, FinishedGroups):
-                    if self._reports_rollouts():
-                        yield item
-                else:
+                if not isinstance(item, FinishedGroups):
                     batch = item
+                elif scoring is not None:
+                    scoring.add_groups(item)
             if hybrid:
                 self.rollout.sleep()
         finally:
             if hybrid:
                 self.actor.load_to_device()
-        if not self._reports_rollouts():
-            yield None
-            return
-        if self.image_refs is not None:  # the batch holds references (tool images are stored here)
-            self.image_refs.refer(batch)
-        # The engines assemble rows on the CPU (vlrl.rollout.output.assemble_rollout_batch), on GPU
-        # machines too, so what goes into the object store is host memory; the actor moves the rows
-        # it takes to its device (tests/gpu/test_actor_gpu.py runs take_rows + update on CUDA).
-        yield StepSamples.of(batch, None if keep_for is None else self._hold(publish(batch), keep_for))
+        return batch
+
+    def _scoring(self, prompts: PromptBatch) -> RankScoring:
+        """Scoring for one generation call, in this rank's reward workers (started on first use)."""
+        from vlrl.rewards.runner import RewardRunner
+
+        if self.rewards is None:
+            self.rewards = RewardRunner(self.config.worker.reward)
+        return RankScoring(self.rewards, self.scorer, prompts, self.config.worker.reward.streaming)
 
     def _hold(self, held: Held, step: int) -> Held:
         """Keep `held` alive here, its owner's reference, and drop what earlier steps published: a
@@ -359,6 +387,8 @@ class RankWorker:
         return probe_shared_path(marker, token, self.rank)
 
     def shutdown(self) -> None:
+        if self.rewards is not None:
+            self.rewards.close()
         if hasattr(self, "rollout"):  # set up (an in-process group may stop before setup)
             self.rollout.close()
         if torch.distributed.is_initialized():

@@ -122,7 +122,7 @@ def training_fields(batch: RolloutBatch, seed: int = 0) -> RolloutBatch:
 def scores_on_last_token(batch: RolloutBatch | StepSamples, seed: int = 0) -> torch.Tensor:
     """[N, R] a random 0/1 score on each sample's last response token (a stand-in reward)."""
     gen = torch.Generator().manual_seed(seed)
-    n, r = batch.responses.shape
+    n, r = batch.response_mask.shape
     scores = torch.zeros(n, r)
     last = (batch.response_mask.sum(-1) - 1).clamp(min=0)
     scores[torch.arange(n), last] = (torch.rand(n, generator=gen) < 0.5).float()
