@@ -445,7 +445,9 @@ class RewardConfig(_Section):
     skip_special_tokens: bool = True
     """Decode responses without special tokens."""
     num_workers: int = 1
-    """Reward worker processes (rewards run off the training processes); 0: in the driver (debugging,
+    """Reward worker processes of each generating rank (the first rank of each engine scores the rows
+    it generated, off its own process) and of the driver (which scores a reward that must see the
+    whole batch, and rows read back from a checkpoint); 0: in those processes themselves (debugging,
     no timeout). EasyR1's `worker.reward.num_cpus` is an alias."""
     timeout: float = 60.0
     """Seconds one reward call may take before it counts as a failure."""
@@ -457,10 +459,11 @@ class RewardConfig(_Section):
     """With on_failure=zero: stop the run when more than this share of one step's samples fail (a
     reward that is broken, not flaky, would otherwise train on zeros). 1.0: never stop."""
     streaming: bool = True
-    """Score each group as soon as its samples are generated, while the rest of the batch is still
-    generating (vLLM, single-turn; the HF engine and multi-turn rollouts report their groups at the
-    end). The batch and its scores are the same either way: a batch reward function is streamed only
-    when its file declares `PARTIAL_BATCHES = True`; otherwise it gets the whole batch after generation."""
+    """Score each group as soon as its samples are generated, while the rest of the rank's batch is
+    still generating (vLLM, single-turn; the HF engine and multi-turn rollouts report their groups at
+    the end). The batch and its scores are the same either way: a batch reward function is streamed
+    only when its file declares `PARTIAL_BATCHES = True`; otherwise the driver gives it the whole
+    batch after generation."""
     memory_limit_mb: int | None = None
     """Cap on each reward worker's address space in MiB (RLIMIT_AS, set before the reward file is imported,
     so its imports count too): an allocation past it raises MemoryError in the reward, reported as out of

@@ -115,7 +115,10 @@ class PPOTrainer:
     def _setup_ranks(self) -> AsyncRollout | None:
         """Load the models and engines (both roles at once in asynchronous mode, which then also
         forms the weight-broadcast group and checks both roles ban the same tokens)."""
-        args = (self.data.max_images_per_prompt, self._optimizer_steps(), self.data.max_videos_per_prompt)
+        args = (
+            self.data.max_images_per_prompt, self._optimizer_steps(), self.data.max_videos_per_prompt,
+            self.rank_scoring,
+        )  # fmt: skip
         if not self.roles.separate:
             self.ranks.call_all(RankWorker.setup, *args)
             return None

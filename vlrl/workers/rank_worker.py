@@ -21,6 +21,7 @@ from vlrl.batch.image_refs import ImageRefs
 from vlrl.batch.rows import FinishedGroups, KeptRows, PromptBatch, RolloutBatch, spread_over_response
 from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
+from vlrl.rewards.runner import RewardRunner
 from vlrl.rollout.weight_broadcast import WeightBroadcast
 from vlrl.utils.gpu_driver import check_torch_sees_cuda
 from vlrl.utils.library_logs import quiet_library_logs
@@ -28,7 +29,6 @@ from vlrl.utils.rank_threads import set_rank_threads
 from vlrl.workers.scoring import BatchScorer, RankScoring
 
 if TYPE_CHECKING:
-    from vlrl.rewards.runner import RewardRunner
     from vlrl.rollout.base import RolloutEngine
     from vlrl.workers.actor import Actor
     from vlrl.workers.reference import AdapterOffReference, Reference
@@ -83,11 +83,15 @@ class RankWorker:
         self.published: list[tuple[int, Held]] = []  # (step, batch) this rank published and still holds
         self.rewards: RewardRunner | None = None  # this rank's reward workers (`generate(score=True)`)
 
-    def setup(self, limit_images: int, optimizer_steps: int, limit_videos: int = 0) -> dict[str, float]:
+    def setup(
+        self, limit_images: int, optimizer_steps: int, limit_videos: int = 0, score: bool = False
+    ) -> dict[str, float]:
         """Load the models and the engine, then give the engine the actor's weights.
 
         `limit_images` / `limit_videos`: most images / videos in one prompt of the data;
-        `optimizer_steps`: of the whole run (for the LR schedule)."""
+        `optimizer_steps`: of the whole run (for the LR schedule); `score`: this rank will score
+        what it generates (`generate(score=True)`), so its reward workers start now, beside the
+        model loading, and a reward file this node cannot load stops the run at start-up."""
         from vlrl.models.processor import load_processor
         from vlrl.rollout import create_rollout_engine
         from vlrl.rollout.base import eos_token_ids, pad_token_id
@@ -98,6 +102,8 @@ class RankWorker:
             model.tokenizer_path or model.model_path, self.config.data.override_chat_template
         )
         self.pad_token_id = pad_token_id(tokenizer)  # the engines' (rows taken from them are padded with it)
+        if score and self.role != "train" and self._reports_rollouts():
+            self.rewards = RewardRunner(self.config.worker.reward)
         if self.role != "train":
             self.scorer = BatchScorer(
                 tokenizer, self.pad_token_id, eos_token_ids(tokenizer, model.model_path),
@@ -198,9 +204,8 @@ class RankWorker:
         return batch
 
     def _scoring(self, prompts: PromptBatch) -> RankScoring:
-        """Scoring for one generation call, in this rank's reward workers (started on first use)."""
-        from vlrl.rewards.runner import RewardRunner
-
+        """Scoring for one generation call, in this rank's reward workers (`setup` starts them;
+        else the first call does)."""
         if self.rewards is None:
             self.rewards = RewardRunner(self.config.worker.reward)
         return RankScoring(self.rewards, self.scorer, prompts, self.config.worker.reward.streaming)
