@@ -11,8 +11,9 @@ row ids and one advantage per sample. "after" (`vlrl.batch.held`, `vlrl.workers.
 generating ranks score their rows in their own reward workers, publish the rows and return
 `StepSamples` (reward parts, lengths, group ids, where each row is held: no token ids); the
 log-prob pass gets a `TakePlan` (references and row indices) and returns nothing unless the KL
-penalty is in the reward (`--kl-in-reward`: old and reference log-probs come back for it); the
-update gets row ids and advantages as before. `--whole-batch-reward`: a batch reward that must see
+penalty is in the reward (`--kl-in-reward`: the ranks penalise the rewards and send one value per
+response back; before, old and reference log-probs came back); the update gets row ids and
+advantages as before. `--whole-batch-reward`: a batch reward that must see
 the whole batch at once, which the driver scores: the samples carry the response ids.
 
 1. geo3k-sized synthetic step (no model runs): `--prompts` prompts x `--n` samples, 896x896 images
@@ -39,6 +40,7 @@ import ray
 import torch
 from PIL import Image
 
+from vlrl.algorithms.kl import KLPenalty, PenalizedRewards
 from vlrl.batch.held import publish
 from vlrl.batch.image_refs import ImageRefs
 from vlrl.batch.rows import FinishedGroups, PromptBatch, RolloutBatch
@@ -131,8 +133,15 @@ def synthetic_bytes(
         )
         step = StepSamples.of(batch, None)
     width = batch.responses.shape[1]
-    if kl_in_reward or not held:  # old + ref back
+    if not held:  # old + ref back
         out["log_probs"] += sum(2 * nbytes(torch.zeros(len(rows), width)) for rows in shards)
+    elif kl_in_reward:  # each rank's rewards with the penalty, one value per response, back
+        penalties = [KLPenalty(0.05, "low_var_kl", torch.zeros(len(rows))) for rows in shards]
+        out["log_probs"] += sum(nbytes(p) for p in penalties)
+        out["log_probs"] += sum(
+            nbytes(PenalizedRewards(*[torch.zeros(len(rows))] * 3, torch.ones(len(rows), dtype=torch.bool)))
+            for rows in shards
+        )
     step.advantages = torch.zeros(batch.responses.shape)
     out["update"] += sum(nbytes(s) for s in update_inputs(step, shards))
     return dict(out)

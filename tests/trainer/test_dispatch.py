@@ -7,7 +7,14 @@ import torch
 from vlrl.batch.held import Held, concat_padded, take
 from vlrl.batch.rows import PromptBatch, RolloutBatch
 from vlrl.batch.samples import SAMPLE_RESPONSE_FIELDS, StepSamples
-from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_samples, split_prompts, update_inputs
+from vlrl.trainer.dispatch import (
+    balanced_shards,
+    gather_penalized,
+    gather_rows,
+    merge_samples,
+    split_prompts,
+    update_inputs,
+)
 
 PAD = 0
 
@@ -196,7 +203,7 @@ def test_every_tensor_field_has_a_padding_kind() -> None:
     kinds = [*SEQUENCE_FIELDS, *RESPONSE_FIELDS, *PER_ROW_FIELDS]
     assert sorted(tensors) == sorted(kinds) and len(set(kinds)) == len(kinds)
     # the driver's samples: every [N, R] field is padded when rounds are joined, the rest are [N]
-    per_sample = ["group_ids", "prompt_lengths", "turn_lengths"]
+    per_sample = ["group_ids", "prompt_lengths", "turn_lengths", "sequence_rewards"]
     tensors = [f.name for f in fields(StepSamples) if "Tensor" in str(f.type)]
     assert sorted(tensors) == sorted([*SAMPLE_RESPONSE_FIELDS, *per_sample])
 
@@ -219,3 +226,38 @@ def test_merge_pads_the_scored_fields_of_rounds_of_different_widths() -> None:
     assert joined.tensor("token_level_scores").tolist() == [[1, 2, 3], [1, 2, 0]]
     assert joined.responses.tolist() == [[3, 4, 5], [8, 9, PAD]]
     assert joined.response_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_the_kl_penalty_on_the_ranks_shards_gives_the_whole_batchs_rewards_and_advantages() -> None:
+    """KL in the reward: each rank penalises its rows' rewards and sends one value per response; put
+    back in batch order they equal the whole batch's, and so do the outcome advantages and the
+    controller's KL."""
+    from vlrl.algorithms import compute_advantages, penalized_rewards
+    from vlrl.rewards import scores_to_token_level
+
+    g = torch.Generator().manual_seed(0)
+    n, width = 12, 37
+    lengths = torch.randint(1, width + 1, (n,), generator=g)
+    lengths[3] = 0  # a response without a token
+    mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    scores = scores_to_token_level(torch.rand(n, generator=g), mask)
+    old, ref = torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
+    group_ids = torch.arange(n) // 4
+    whole = penalized_rewards(scores, old, ref, mask, 0.05, "low_var_kl")
+    shards = [[0, 5, 7, 11, 2, 9], [1, 3, 4, 6, 8, 10]]
+    parts = [
+        penalized_rewards(scores[r], old[r], ref[r], mask[r], 0.05, "low_var_kl", per_token=False)
+        for r in shards
+    ]
+    got = gather_penalized(shards, parts, n)
+    assert got.token_rewards is None
+    for name in ("sequence_scores", "sums", "sequence_kl", "has_tokens"):
+        assert torch.equal(getattr(got, name), getattr(whole, name)), name
+    assert got.current_kl() == whole.current_kl()
+    assert whole.token_rewards is not None
+    by_token = compute_advantages("grpo", whole.token_rewards, mask, group_ids)[0]
+    by_response = compute_advantages("grpo", got.sequence_scores[:, None], torch.ones(n, 1), group_ids)[0]
+    assert torch.equal(by_response * mask, by_token)
+    # a token-level estimator gets the token rewards back, in batch order
+    per_token = [penalized_rewards(scores[r], old[r], ref[r], mask[r], 0.05, "low_var_kl") for r in shards]
+    assert torch.equal(gather_penalized(shards, per_token, n).token_rewards, whole.token_rewards)

@@ -6,15 +6,23 @@ The registries map config names to functions: `ADV_ESTIMATORS` (`algorithm.adv_e
 compare samples of one prompt and so need `worker.rollout.n > 1`. See docs/algorithms.md.
 """
 
-from vlrl.algorithms.advantages import ADV_ESTIMATORS, GROUP_ESTIMATORS, compute_advantages
+from vlrl.algorithms.advantages import (
+    ADV_ESTIMATORS,
+    GROUP_ESTIMATORS,
+    TOKEN_LEVEL_ESTIMATORS,
+    compute_advantages,
+)
 from vlrl.algorithms.filtering import filter_groups
 from vlrl.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    KLPenalty,
+    PenalizedRewards,
     apply_kl_penalty,
     kl_estimate,
     make_kl_controller,
+    penalized_rewards,
 )
 from vlrl.algorithms.losses import (
     LOSS_AGG_MODES,
@@ -28,13 +36,17 @@ from vlrl.algorithms.losses import (
 __all__ = [
     "ADV_ESTIMATORS",
     "GROUP_ESTIMATORS",
+    "TOKEN_LEVEL_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
+    "KLPenalty",
+    "PenalizedRewards",
     "aggregate_loss",
     "apply_kl_penalty",
+    "penalized_rewards",
     "compute_advantages",
     "compute_kl_loss",
     "compute_policy_loss",

@@ -28,6 +28,8 @@ AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
 
 # Names whose advantage compares the samples of one prompt, so they need worker.rollout.n > 1.
 GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "grpo_passk"})
+# Names whose advantage varies along the response (the rest give each response one value).
+TOKEN_LEVEL_ESTIMATORS = frozenset({"reinforce_plus_plus"})
 
 
 # --------------------------------------------------------------------------------- helpers

@@ -8,9 +8,12 @@ k1/k2/k3 estimators). `full` computes the exact KL and needs whole distributions
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from vlrl.algorithms.advantages import sequence_scores
 
 KLFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -117,6 +120,59 @@ def make_kl_controller(
 
 
 # ------------------------------------------------------------------------------------ penalty
+@dataclass(frozen=True)
+class KLPenalty:
+    """The KL penalty in the reward, asked of the ranks that hold the rows' log-probs
+    (`RankWorker.take_rows`): the step's coefficient, the estimator (`algorithm.kl_penalty`) and
+    each row's score [rows]; `per_token`: the estimator needs every token's reward (REINFORCE++)."""
+
+    coef: float
+    kind: str
+    scores: Tensor  # [rows] each row's overall score
+    per_token: bool = False
+
+
+@dataclass
+class PenalizedRewards:
+    """Rewards with the KL penalty in them, reduced to what the driver needs: [B] each, plus the
+    [B, T] token rewards when asked for (`KLPenalty.per_token`)."""
+
+    sequence_scores: Tensor  # sum_t reward_t * mask_t: what an outcome estimator reduces a response to
+    sums: Tensor  # sum_t reward_t (logged as critic/rewards)
+    sequence_kl: Tensor  # each sequence's masked-mean KL
+    has_tokens: Tensor  # bool: the sequence has a response token
+    token_rewards: Tensor | None = None  # [B, T]
+
+    def current_kl(self) -> float:
+        """The mean over sequences with a response token of their masked-mean KL (for the
+        controller's `update`)."""
+        return (self.sequence_kl.sum() / self.has_tokens.sum().clamp(min=1)).item()
+
+
+def penalized_rewards(
+    token_level_scores: Tensor,
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    response_mask: Tensor,
+    kl_coef: float,
+    kind: str,
+    per_token: bool = True,
+) -> PenalizedRewards:
+    """Rewards = scores - kl_coef * KL * mask (scores, log-probs and mask [B, T]), detached: they
+    are targets, not part of the policy's graph."""
+    mask = response_mask.to(token_level_scores.dtype)
+    kl = kl_estimate(log_probs.detach(), ref_log_probs.detach(), kind).to(mask.dtype) * mask  # [B, T]
+    rewards = token_level_scores - kl_coef * kl
+    tokens_per_seq = mask.sum(dim=-1)  # [B]
+    return PenalizedRewards(
+        sequence_scores=sequence_scores(rewards, response_mask),
+        sums=rewards.sum(-1),
+        sequence_kl=kl.sum(dim=-1) / tokens_per_seq.clamp(min=1),
+        has_tokens=tokens_per_seq > 0,
+        token_rewards=rewards if per_token else None,
+    )
+
+
 def apply_kl_penalty(
     token_level_scores: Tensor,
     log_probs: Tensor,
@@ -125,17 +181,7 @@ def apply_kl_penalty(
     kl_coef: float,
     kind: str,
 ) -> tuple[Tensor, float]:
-    """Reward with an in-reward KL penalty: rewards = scores - kl_coef * KL * mask. All [B, T].
-
-    Returns (token_level_rewards, current_kl) where current_kl is the mean over sequences that have
-    at least one valid token of their masked-mean KL (feed it to the controller's `update`). The
-    rewards are detached: they are targets, not part of the policy's graph.
-    """
-    mask = response_mask.to(token_level_scores.dtype)
-    kl = kl_estimate(log_probs.detach(), ref_log_probs.detach(), kind).to(mask.dtype) * mask  # [B, T]
-    rewards = token_level_scores - kl_coef * kl
-    tokens_per_seq = mask.sum(dim=-1)  # [B]
-    seq_kl = kl.sum(dim=-1) / tokens_per_seq.clamp(min=1)  # [B]
-    num_valid_seqs = (tokens_per_seq > 0).sum().clamp(min=1)
-    current_kl = (seq_kl.sum() / num_valid_seqs).item()
-    return rewards, current_kl
+    """`penalized_rewards` on a whole batch: (token_level_rewards [B, T], current_kl)."""
+    penalized = penalized_rewards(token_level_scores, log_probs, ref_log_probs, response_mask, kl_coef, kind)
+    assert penalized.token_rewards is not None
+    return penalized.token_rewards, penalized.current_kl()

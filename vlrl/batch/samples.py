@@ -17,10 +17,7 @@ from vlrl.batch.held import Held, TakePlan, plan_runs
 from vlrl.batch.rows import RolloutBatch, SampleBatch, narrow, widen
 
 # Driver-side [N, R] fields, padded together when samples of different response widths are joined.
-SAMPLE_RESPONSE_FIELDS = (
-    "responses", "response_mask", "token_level_scores", "token_level_rewards", "old_log_probs",
-    "ref_log_probs", "advantages", "returns",
-)  # fmt: skip
+SAMPLE_RESPONSE_FIELDS = ("responses", "response_mask", "token_level_scores", "advantages")
 
 
 @dataclass
@@ -59,11 +56,8 @@ class StepSamples(SampleBatch):
     prompt_width: int = 0  # P of the batches the rows are held in (joined: the widest)
     # Filled on the driver:
     token_level_scores: torch.Tensor | None = None  # [N, R] reward on the last response token
-    token_level_rewards: torch.Tensor | None = None  # [N, R] scores minus the KL penalty (if in reward)
-    old_log_probs: torch.Tensor | None = None  # [N, R] only when the KL penalty is in the reward
-    ref_log_probs: torch.Tensor | None = None  # [N, R] likewise
+    sequence_rewards: torch.Tensor | None = None  # [N] each response's rewards summed (KL penalty included)
     advantages: torch.Tensor | None = None  # [N, R]
-    returns: torch.Tensor | None = None  # [N, R]
     reward_parts: list[dict[str, float]] | None = None  # per sample: filled where the rows are scored
     reward_failures: int = 0  # samples whose reward failed (scored 0 with worker.reward.on_failure=zero)
     reward_wait_s: float = 0.0  # a rank's wait for its rewards after generation ended (merged: the longest)

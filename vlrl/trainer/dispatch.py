@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from vlrl.algorithms.kl import PenalizedRewards
 from vlrl.batch.rows import KeptRows, PromptBatch, one_value_per_row
 from vlrl.batch.samples import StepSamples
 
@@ -56,6 +57,27 @@ def gather_rows(shards: list[list[int]], values: list[torch.Tensor], n_rows: int
     for index, value in zip(shards, values):
         out[torch.as_tensor(index, dtype=torch.long), : value.shape[1]] = value
     return out
+
+
+def gather_penalized(shards: list[list[int]], parts: list[PenalizedRewards], n_rows: int) -> PenalizedRewards:
+    """The ranks' rewards with the KL penalty (`RankWorker.take_rows`) back in the batch's row order
+    (parts[r] holds the values of rows shards[r]; a Ulysses group's ranks send the same ones)."""
+    index = [torch.as_tensor(rows, dtype=torch.long) for rows in shards]
+
+    def gather(name: str) -> torch.Tensor:
+        first = getattr(parts[0], name)
+        out = first.new_zeros(n_rows)
+        for rows, part in zip(index, parts):
+            out[rows] = getattr(part, name)
+        return out
+
+    per_token = [p.token_rewards for p in parts if p.token_rewards is not None]  # [rows, R] each
+    token_rewards = None
+    if per_token:
+        token_rewards = gather_rows(shards, per_token, n_rows, max(t.shape[1] for t in per_token))
+    return PenalizedRewards(
+        gather("sequence_scores"), gather("sums"), gather("sequence_kl"), gather("has_tokens"), token_rewards
+    )
 
 
 def update_inputs(samples: StepSamples, shards: list[list[int]]) -> list[KeptRows]:

@@ -56,7 +56,7 @@ def batch_metrics(batch: StepSamples, max_response_length: int) -> dict[str, flo
     scores = batch.tensor("token_level_scores").sum(-1)  # [N]
     metrics = {
         **_stats("critic/score", scores),
-        **_stats("critic/rewards", batch.tensor("token_level_rewards").sum(-1)),
+        **_stats("critic/rewards", batch.tensor("sequence_rewards")),
         **_stats("critic/advantages", batch.tensor("advantages")[mask]),
         **_stats("response_length", response_len),
         **_stats("prompt_length", prompt_len),

@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 
-from vlrl.algorithms import apply_kl_penalty, compute_advantages, make_kl_controller
+from vlrl.algorithms import (
+    TOKEN_LEVEL_ESTIMATORS,
+    KLPenalty,
+    PenalizedRewards,
+    compute_advantages,
+    make_kl_controller,
+)
 from vlrl.algorithms.importance import combine_drift
 from vlrl.batch.held import publish, take
 from vlrl.batch.image_refs import ImageRefs
@@ -37,7 +43,13 @@ from vlrl.rewards import RewardResult, scores_to_token_level
 from vlrl.rollout.base import eos_token_ids
 from vlrl.trainer.async_rollout import AsyncRollout, Prefetched
 from vlrl.trainer.checkpoint import CheckpointManager, check_checkpoint, read_state
-from vlrl.trainer.dispatch import balanced_shards, gather_rows, merge_samples, split_prompts, update_inputs
+from vlrl.trainer.dispatch import (
+    balanced_shards,
+    gather_penalized,
+    merge_samples,
+    split_prompts,
+    update_inputs,
+)
 from vlrl.trainer.loggers import Tracker, logged_history
 from vlrl.trainer.metrics import (
     PhaseTimer,
@@ -192,28 +204,18 @@ class PPOTrainer:
             kl_in_reward = self.config.use_reference and not algo.use_kl_loss
             with timer("old_ref"):
                 plans = [batch.plan(rows) for rows in shards]
+                penalties = [self._kl_penalty(batch, rows) if kl_in_reward else None for rows in shards]
                 results = self.ranks.call(
-                    RankWorker.take_rows, plans, shards, with_old=not self.config.on_policy_update,
-                    log_probs_back=kl_in_reward,
+                    RankWorker.take_rows, plans, shards, penalties, with_old=not self.config.on_policy_update
                 )  # fmt: skip
             with timer("adv"):
-                batch.token_level_rewards = batch.tensor("token_level_scores")
+                penalized = None
                 if kl_in_reward:  # 4. KL penalty in the reward (GRPO instead puts KL in the loss)
-                    width = batch.response_mask.shape[1]
-                    batch.old_log_probs = gather_rows(shards, [old for old, _ in results], n, width)
-                    batch.ref_log_probs = gather_rows(shards, [ref for _, ref in results], n, width)
-                    batch.token_level_rewards, current_kl = apply_kl_penalty(
-                        batch.tensor("token_level_scores"), batch.old_log_probs, batch.ref_log_probs,
-                        batch.response_mask, self.kl_ctrl.value, algo.kl_penalty,
-                    )  # fmt: skip
-                    self.kl_ctrl.update(current_kl, n_steps=len(batch))
+                    penalized = gather_penalized(shards, results, n)
+                    current_kl = penalized.current_kl()
+                    self.kl_ctrl.update(current_kl, n_steps=n)
                     metrics.update({"critic/kl": current_kl, "critic/kl_coef": self.kl_ctrl.value})
-                # 5. advantages
-                batch.advantages, batch.returns = compute_advantages(
-                    algo.adv_estimator, batch.token_level_rewards, batch.response_mask, batch.group_ids,
-                    gamma=algo.gamma, norm_by_std=algo.norm_adv_by_std_in_grpo,
-                    baseline_scores=baselines,
-                )  # fmt: skip
+                batch.advantages = self._advantages(batch, penalized, baselines)  # 5.
             # 6. actor update (advantages weighted by truncated IS there), then weight sync to the engines
             with timer("update"):
                 results = self.ranks.call(RankWorker.update, update_inputs(batch, shards))
@@ -231,6 +233,32 @@ class PPOTrainer:
         metrics.update(throughput_metrics(batch, timer.seconds["step"], self.config.world_size))
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
+
+    def _kl_penalty(self, batch: StepSamples, rows: list[int]) -> KLPenalty:
+        """What a rank needs to put the KL penalty in the reward of `rows`: the controller's
+        coefficient, the estimator and the rows' scores."""
+        algo, scores = self.config.algorithm, batch.tensor("token_level_scores").sum(-1)  # [N]
+        per_token = algo.adv_estimator in TOKEN_LEVEL_ESTIMATORS
+        return KLPenalty(self.kl_ctrl.value, algo.kl_penalty, scores[torch.as_tensor(rows)], per_token)
+
+    def _advantages(
+        self, batch: StepSamples, penalized: PenalizedRewards | None, baselines: torch.Tensor | None
+    ) -> torch.Tensor:
+        """[N, R] advantages from the scores, or from the rewards with the KL penalty the ranks
+        computed: per token for a token-level estimator, else one score per response. Sets the
+        samples' `sequence_rewards`."""
+        algo, mask = self.config.algorithm, batch.response_mask
+        kwargs = dict(gamma=algo.gamma, norm_by_std=algo.norm_adv_by_std_in_grpo, baseline_scores=baselines)
+        rewards = batch.tensor("token_level_scores") if penalized is None else penalized.token_rewards
+        if rewards is not None:  # [N, R]
+            batch.sequence_rewards = rewards.sum(-1) if penalized is None else penalized.sums
+            return compute_advantages(algo.adv_estimator, rewards, mask, batch.group_ids, **kwargs)[0]
+        assert penalized is not None
+        batch.sequence_rewards = penalized.sums
+        # an outcome estimator reduces each response to one score: the ranks sent it [N]
+        scores, ones = penalized.sequence_scores[:, None], torch.ones(len(batch), 1)
+        advantages = compute_advantages(algo.adv_estimator, scores, ones, batch.group_ids, **kwargs)[0]
+        return advantages * mask.to(advantages.dtype)  # [N, 1] -> [N, R], as the estimators spread it
 
     def _check_drift(self, metrics: dict[str, float]) -> dict[str, float]:
         """Warn when the engine's log-probs and the actor's disagree (see log_prob_diff_warn)."""

@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vlrl.algorithms.importance import log_prob_drift, truncated_importance_weighting
+from vlrl.algorithms.kl import KLPenalty, PenalizedRewards, penalized_rewards
 from vlrl.batch.held import Held, TakePlan, publish, take
 from vlrl.batch.image_refs import ImageRefs
 from vlrl.batch.rows import FinishedGroups, KeptRows, PromptBatch, RolloutBatch, spread_over_response
 from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
+from vlrl.rewards import scores_to_token_level
 from vlrl.rewards.runner import RewardRunner
 from vlrl.rollout.weight_broadcast import WeightBroadcast
 from vlrl.utils.gpu_driver import check_torch_sees_cuda
@@ -235,14 +237,14 @@ class RankWorker:
             self.image_refs.fetch(batch)
 
     def take_rows(
-        self, plan: TakePlan, rows: list[int], with_old: bool = True, log_probs_back: bool = False
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        self, plan: TakePlan, rows: list[int], kl_penalty: KLPenalty | None = None, with_old: bool = True
+    ) -> PenalizedRewards | None:
         """Take this rank's rows of the step (`plan`: from the generating ranks' published batches;
         `rows`: their step row ids) and keep them for the update, with the old-policy (unless not
         `with_old`: on-policy, the update computes them) and, when KL is on, reference log-probs.
 
-        Returns (old, ref) [rows, R] when `log_probs_back` (the driver puts a KL penalty in the
-        reward), else (None, None): everything stays here."""
+        With `kl_penalty` (the KL penalty in the reward) returns the rows' rewards with it, per
+        sequence (per token too when asked); else None: everything stays here."""
         batch = take(plan, self.pad_token_id)
         self._fetch_media(batch)
         temperature = self.config.worker.rollout.temperature
@@ -253,7 +255,14 @@ class RankWorker:
             list(rows),
             batch,
         )  # replaces what a step that failed before its update left
-        return (old, ref) if log_probs_back else (None, None)
+        if kl_penalty is None:
+            return None
+        if old is None or ref is None:
+            raise RuntimeError("a KL penalty in the reward needs the old and reference log-probs")
+        scores = scores_to_token_level(kl_penalty.scores, batch.response_mask)  # as the driver puts them
+        return penalized_rewards(
+            scores, old, ref, batch.response_mask, kl_penalty.coef, kl_penalty.kind, kl_penalty.per_token
+        )
 
     def update(self, kept: KeptRows) -> tuple[dict[str, float], dict[str, float]]:
         """One PPO update on the rows `take_rows` kept here, then push the new weights to the engine.

@@ -209,6 +209,7 @@ def _old_and_ref(worker: Any, samples: StepSamples) -> tuple[torch.Tensor, torch
     """The rank worker's old (always asked for) and reference log-probs [N, R] of all the rows it
     generated, which it then keeps for an update (as in a step: `take_rows`)."""
     rows = list(range(len(samples)))
-    old, ref = worker.take_rows(samples.plan(rows), rows, with_old=True, log_probs_back=True)
+    worker.take_rows(samples.plan(rows), rows, with_old=True)
+    old, ref = worker.kept.old_log_probs, worker.kept.ref_log_probs  # kept in `rows` order
     assert old is not None
     return old, ref
