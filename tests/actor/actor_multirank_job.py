@@ -115,7 +115,7 @@ def check_mixed_ranks(actor: Actor, model_dir: str, rank: int, results: dict) ->
     (micro-batches of 2) with a dummy image, which must not change its log-probs."""
     specs = [(True, 4), (True, 7), (True, 2)] if rank == 0 else [(False, 5)]
     batch = make_batch(model_dir, specs, group_size=1, seed=3 + rank)
-    logp = actor.compute_log_probs(batch, TEMPERATURE)
+    logp = actor.compute_log_probs(batch)
     model = load_model(model_dir, padding_free=False)
     _, processor = load_processor(model_dir)
     pv, grid = VisionCache(processor.image_processor).collate(batch.images)
@@ -138,7 +138,7 @@ def check_mixed_ranks(actor: Actor, model_dir: str, rank: int, results: dict) ->
 
 def check_loss_decreases(actor: Actor, batch: RolloutBatch, rank: int, results: dict) -> None:
     mine = batch.select(SPLIT[rank])
-    mine.old_log_probs = actor.compute_log_probs(mine, TEMPERATURE)
+    mine.old_log_probs = actor.compute_log_probs(mine)
     results["losses"] = [actor.update_policy(mine)["actor/pg_loss"] for _ in range(5)]
 
 

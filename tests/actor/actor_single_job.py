@@ -69,14 +69,14 @@ def check_vlm(model_dir: str, out_dir: str, results: dict[str, Any]) -> None:
     }
     for name, config in variants.items():
         actor = build_actor(config, processor, "cpu", model_path=model_dir)
-        results[f"logp_err/{name}"] = err(actor.compute_log_probs(batch, 1.0), expected, batch)
+        results[f"logp_err/{name}"] = err(actor.compute_log_probs(batch), expected, batch)
     reference = build_reference(variants["packed"], processor, "cpu", model_path=model_dir)
-    results["ref_err"] = err(reference.compute_log_probs(batch, 1.0), expected, batch)
+    results["ref_err"] = err(reference.compute_log_probs(batch), expected, batch)
     # Update, export, reload with plain transformers: same log-probs as the actor now has.
     train_fields(batch, expected)
     for _ in range(2):
         actor.update_policy(batch)
-    now = actor.compute_log_probs(batch, 1.0)
+    now = actor.compute_log_probs(batch)
     results["moved"] = err(now, expected, batch)
     hf_dir = os.path.join(out_dir, "hf_vlm")
     actor.save_hf(hf_dir)
@@ -135,10 +135,10 @@ def check_on_policy(model_dir: str, results: dict[str, Any]) -> None:
     for given in (True, False):
         actor = build_actor(config, processor, "cpu", model_path=model_dir)
         batch = make_batch(model_dir, SPECS, seed=12)
-        old = actor.compute_log_probs(batch, 1.0)
+        old = actor.compute_log_probs(batch)
         train_fields(batch, old if given else None)
         actor.update_policy(batch, on_policy=config.on_policy_update)
-        after.append(actor.compute_log_probs(batch, 1.0))
+        after.append(actor.compute_log_probs(batch))
         filled = err(batch.old_log_probs, old, batch)
     results["on_policy/filled_err"] = filled
     results["on_policy/moved"] = err(after[0], old, batch)
@@ -163,17 +163,17 @@ def check_no_advantage_guard(model_dir: str, results: dict[str, Any]) -> None:
         )
         actor = build_actor(config, processor, "cpu", model_path=model_dir)
         batch = make_batch(model_dir, SPECS, seed=13)
-        train_fields(batch, actor.compute_log_probs(batch, 1.0))
+        train_fields(batch, actor.compute_log_probs(batch))
         batch.advantages = torch.zeros_like(batch.advantages)
-        before = actor.compute_log_probs(batch, 1.0)
+        before = actor.compute_log_probs(batch)
         metrics = actor.update_policy(batch)
-        results[f"guard/{guard}/moved"] = err(actor.compute_log_probs(batch, 1.0), before, batch)
+        results[f"guard/{guard}/moved"] = err(actor.compute_log_probs(batch), before, batch)
         results[f"guard/{guard}/no_advantage_steps"] = metrics["actor/no_advantage_steps"]
         results[f"guard/{guard}/optimizer_state"] = len(actor.optimizer.state)
         results[f"guard/{guard}/global_step"] = actor.global_step
         batch.advantages[0] = batch.response_mask[0]  # one token of signal: a normal step again
         actor.update_policy(batch)
-        results[f"guard/{guard}/signal_moved"] = err(actor.compute_log_probs(batch, 1.0), before, batch)
+        results[f"guard/{guard}/signal_moved"] = err(actor.compute_log_probs(batch), before, batch)
 
 
 def check_nonfinite_guard(model_dir: str, out_dir: str, results: dict[str, Any]) -> None:
@@ -185,7 +185,7 @@ def check_nonfinite_guard(model_dir: str, out_dir: str, results: dict[str, Any])
     _, processor = load_processor(model_dir)
     actor = build_actor(make_config(model_dir), processor, "cpu", model_path=model_dir)
     batch = make_batch(model_dir, SPECS, seed=21)
-    train_fields(batch, actor.compute_log_probs(batch, 1.0))
+    train_fields(batch, actor.compute_log_probs(batch))
     actor.update_policy(batch)  # creates the Adam state
     state = actor.optimizer.state[actor.params[0]]
     state["exp_avg"].to_local().fill_(3e38)
@@ -219,7 +219,7 @@ def check_other_arch(model_dir: str, arch: str, out_dir: str, results: dict[str,
     batch = make_batch(model_dir, SPECS, seed=8)
     expected = plain_log_probs(model_dir, batch)
     actor = build_actor(make_config(model_dir), processor, "cpu", model_path=model_dir)
-    results[f"{arch}/logp_err"] = err(actor.compute_log_probs(batch, 1.0), expected, batch)
+    results[f"{arch}/logp_err"] = err(actor.compute_log_probs(batch), expected, batch)
     train_fields(batch, expected)
     results[f"{arch}/losses"] = [actor.update_policy(batch)["actor/pg_loss"] for _ in range(3)]
     if arch == "qwen2":
@@ -252,9 +252,9 @@ def check_tied_embeddings(model_dir: str, out_dir: str, results: dict[str, Any])
     module = actor.model.module
     results["tied/in_actor"] = module.lm_head.weight is module.model.language_model.embed_tokens.weight
     batch = make_batch(tied, SPECS, seed=9)
-    train_fields(batch, actor.compute_log_probs(batch, 1.0))
+    train_fields(batch, actor.compute_log_probs(batch))
     actor.update_policy(batch)
-    now = actor.compute_log_probs(batch, 1.0)
+    now = actor.compute_log_probs(batch)
     actor.save_hf(os.path.join(out_dir, "hf_tied"))
     reloaded = AutoModelForImageTextToText.from_pretrained(os.path.join(out_dir, "hf_tied"))
     results["tied/reloaded"] = reloaded.lm_head.weight is reloaded.model.language_model.embed_tokens.weight

@@ -80,7 +80,7 @@ def check_reference_reshards(model_dir: str, results: dict[str, Any]) -> None:
     reference = build_reference(config, processor, "cpu", model_path=model_dir)
     batch = make_batch(model_dir, SPECS, seed=4)
     results["ref/before"] = all(sharded(reference.model.module).values())
-    results["ref/log_probs_finite"] = bool(torch.isfinite(reference.compute_log_probs(batch, 1.0)).all())
+    results["ref/log_probs_finite"] = bool(torch.isfinite(reference.compute_log_probs(batch)).all())
     results["ref/after"] = sharded(reference.model.module)
 
 
@@ -92,7 +92,7 @@ def check_actor_log_probs_reshard(model_dir: str, results: dict[str, Any]) -> No
     for full_shard in (True, False):
         config = make_config(model_dir, worker__actor__fsdp__enable_full_shard=full_shard)
         actor = build_actor(config, processor, "cpu", model_path=model_dir)
-        actor.compute_log_probs(batch, 1.0)
+        actor.compute_log_probs(batch)
         results[f"actor_lp/after/{full_shard}"] = sharded(actor.model.module)
 
 

@@ -67,17 +67,17 @@ def check_update(actor: Actor, batch, expected: torch.Tensor, rank: int, results
     state_params = {id(p) for p in actor.optimizer.state}
     names = {id(p): n for n, p in actor.model.module.named_parameters()}
     results["optimizer_state_names"] = sorted(names[i] for i in state_params)
-    now = actor.compute_log_probs(batch, 1.0)
+    now = actor.compute_log_probs(batch)
     results["policy_moved"] = err(now, expected, batch)
-    reference = AdapterOffReference(actor.model, RefConfig(micro_batch_size_per_device_for_experience=3))
-    results["ref_err"] = err(reference.compute_log_probs(batch, 1.0), expected, batch)
-    results["after_ref_err"] = err(actor.compute_log_probs(batch, 1.0), now, batch)  # adapters back on
+    reference = AdapterOffReference(actor.model, RefConfig(micro_batch_size_per_device_for_experience=3), 1.0)
+    results["ref_err"] = err(reference.compute_log_probs(batch), expected, batch)
+    results["after_ref_err"] = err(actor.compute_log_probs(batch), now, batch)  # adapters back on
 
 
 def check_merged(actor: Actor, model_dir: str, batch, rank: int, results: dict) -> None:
     """The merged weights the engines get, loaded into a plain model, give the actor's log-probs."""
     merged = dict(full_named_tensors(actor.model.module))  # collective
-    actor_logp = actor.compute_log_probs(batch, 1.0)
+    actor_logp = actor.compute_log_probs(batch)
     if rank == 0:
         plain = load_model(model_dir, padding_free=False)
         missing, unexpected = plain.load_state_dict(
@@ -150,11 +150,11 @@ def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
         train_fields(batch, expected)
         actor = build(model_dir, processor, world)
         check_wrapping(actor, results)
-        results["init_err"] = err(actor.compute_log_probs(batch, 1.0), expected, batch)  # B = 0: no change
+        results["init_err"] = err(actor.compute_log_probs(batch), expected, batch)  # B = 0: no change
         check_update(actor, batch, expected, rank, results)
         check_merged(actor, model_dir, batch, rank, results)
         check_checkpoint(actor, batch, rank, os.path.join(out_dir, "ckpt"), results)
-        results["actor_logp"] = actor.compute_log_probs(batch, 1.0)
+        results["actor_logp"] = actor.compute_log_probs(batch)
         actor.save_hf(os.path.join(out_dir, "hf"))
         save_for_merger(actor, os.path.join(out_dir, "merger", "actor"), rank)
         check_gradient_checkpointing(model_dir, processor, batch, rank, results)

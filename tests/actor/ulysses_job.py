@@ -91,9 +91,7 @@ def run_actor(
     actor = build_actor(config, processor, "cpu", model_path=model_dir)
     rows = rank_rows(rank, world, sp, len(batch))
     mine = batch.select(rows)
-    out: dict[str, Any] = {
-        "log_probs": gather_rows(rows, actor.compute_log_probs(mine, TEMPERATURE), len(batch))
-    }
+    out: dict[str, Any] = {"log_probs": gather_rows(rows, actor.compute_log_probs(mine), len(batch))}
     for mode, loss, dynamic in VARIANTS:
         actor.cfg.loss_avg_mode, actor.cfg.policy_loss = mode, loss
         actor.model.spec = replace(actor.model.spec, dynamic_batching=dynamic)
@@ -110,9 +108,10 @@ def run_actor(
         actor.model.spec,
         processor,
         "cpu",
+        TEMPERATURE,
         vision_cache=VisionCache(processor.image_processor),
     )
-    out["ref_log_probs"] = gather_rows(rows, reference.compute_log_probs(mine, TEMPERATURE), len(batch))
+    out["ref_log_probs"] = gather_rows(rows, reference.compute_log_probs(mine), len(batch))
     return out
 
 

@@ -89,7 +89,7 @@ def test_engine_log_probs_match_actor_over_all_turns(mt):
     holes = (batch.attention_mask[:, batch.prompt_length :] == 1) & (batch.response_mask == 0)
     assert holes.any()
     actor = one_rank_actor(mt.path, temperature=1.0)
-    actor_log_probs = actor.compute_log_probs(batch, 1.0)
+    actor_log_probs = actor.compute_log_probs(batch)
     mask = batch.response_mask.bool()
     diff = (actor_log_probs - batch.rollout_log_probs).abs()[mask]
     assert diff.max() < 2e-4, diff.max()

@@ -305,7 +305,7 @@ def test_actor_scores_what_the_engines_sample(vl, tmp_path):
         for engine in (vl.engine, hf_engine):
             batch = engine.generate(vl.prompts, settings)
             mask = batch.response_mask.bool()
-            actor_log_probs = actor.compute_log_probs(batch, temperature)
+            actor_log_probs = actor.compute_log_probs(batch)
             torch.testing.assert_close(
                 actor_log_probs[mask], batch.rollout_log_probs[mask], atol=2e-4, rtol=0
             )

@@ -60,10 +60,10 @@ def test_actor_log_probs_match_vllm_on_videos(tiny_model, arch):
         assert batch.videos[0][0] is batch.videos[1][0]  # a group shares its video object
         mask = batch.response_mask.bool()
         actor = one_rank_actor(path, temperature)
-        packed = actor.compute_log_probs(batch, temperature)
+        packed = actor.compute_log_probs(batch)
         torch.testing.assert_close(packed[mask], batch.rollout_log_probs[mask], atol=2e-4, rtol=0)
         actor.model.spec = replace(actor.model.spec, padding_free=False)
-        padded = actor.compute_log_probs(batch, temperature)
+        padded = actor.compute_log_probs(batch)
         torch.testing.assert_close(padded[mask], packed[mask], atol=2e-5, rtol=0)
         engine.close()
     finally:

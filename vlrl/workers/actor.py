@@ -169,9 +169,10 @@ class Actor:
         self.skipped_in_a_row = 0  # optimizer steps skipped for a non-finite gradient norm, in a row
         self.offload_params, self.offload_optimizer = manual_offload(cfg, self.model.device)
 
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
-        """Log-probs [N, R] (fp32, CPU) of `batch.responses` under the current policy (no grad)."""
-        return self.model.compute_log_probs(batch, temperature)
+    def compute_log_probs(self, batch: RolloutBatch) -> Tensor:
+        """Log-probs [N, R] (fp32, CPU) of `batch.responses` under the current policy at the
+        sampling temperature (no grad)."""
+        return self.model.compute_log_probs(batch, self.temperature)
 
     def set_total_steps(self, total_steps: int | None) -> None:
         """Optimizer steps of the whole run (for warm-up ratio and cosine); rebuilds the schedule."""

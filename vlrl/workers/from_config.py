@@ -60,12 +60,18 @@ def build_reference(
     """The reference policy of `worker.ref`. With `actor`: a LoRA actor's own model with its adapters
     off, else a frozen copy that shares the actor's spec and per-step image cache (each image is
     processed once). Without: a frozen copy built from `worker.actor`'s spec and `model_path`."""
+    temperature = config.worker.rollout.temperature  # log-probs of the distribution the engine samples
     if actor is not None and actor.lora:
         # the actor's base weights with the adapters off: no second copy of the model
-        return AdapterOffReference(actor.model, config.worker.ref)
+        return AdapterOffReference(actor.model, config.worker.ref, temperature)
     if actor is not None:
         return Reference(
-            config.worker.ref, actor.model.spec, processor, device, vision_cache=actor.model.vision
+            config.worker.ref,
+            actor.model.spec,
+            processor,
+            device,
+            temperature,
+            vision_cache=actor.model.vision,
         )
     spec = ShardSpec.of_actor(config.worker.actor, model_path or config.worker.actor.model.model_path)
-    return Reference(config.worker.ref, spec, processor, device)
+    return Reference(config.worker.ref, spec, processor, device, temperature)

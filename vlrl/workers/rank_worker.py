@@ -247,9 +247,8 @@ class RankWorker:
         sequence (per token too when asked); else None: everything stays here."""
         batch = take(plan, self.pad_token_id)
         self._fetch_media(batch)
-        temperature = self.config.worker.rollout.temperature
-        old = self.actor.compute_log_probs(batch, temperature) if with_old else None
-        ref = self.reference.compute_log_probs(batch, temperature) if self.reference is not None else None
+        old = self.actor.compute_log_probs(batch) if with_old else None
+        ref = self.reference.compute_log_probs(batch) if self.reference is not None else None
         batch.old_log_probs, batch.ref_log_probs = old, ref
         self.kept_rows, self.kept = (
             list(rows),

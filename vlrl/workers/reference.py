@@ -1,5 +1,6 @@
 """The reference policy: a frozen `ShardedModel` (`Reference`), or a LoRA actor's own model with its
-adapters off (`AdapterOffReference`). Both give `compute_log_probs(batch, temperature)`."""
+adapters off (`AdapterOffReference`). Both give `compute_log_probs(batch)`, at the rollout's
+sampling temperature (given at construction, as to the actor)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class Reference:
         actor_spec: ShardSpec,
         processor: Any,
         device: torch.device | str,
+        temperature: float,
         *,
         vision_cache: VisionCache | None = None,
     ) -> None:
@@ -51,6 +53,7 @@ class Reference:
             micro_batch_size=ref.micro_batch_size_per_device_for_experience or 1,
         )
         self.model = ShardedModel(spec, processor, device, trainable=False, vision_cache=vision_cache)
+        self.temperature = temperature
         # with FSDP's CPU offload the shards already stay on CPU and FSDP moves them in itself
         self.offload = (
             ref.offload.offload_params
@@ -60,13 +63,13 @@ class Reference:
         if self.offload:
             move_params(self.model.module, "cpu")
 
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
+    def compute_log_probs(self, batch: RolloutBatch) -> Tensor:
         """Reference log-probs [N, R]; loads the weights onto the device for the call when offloaded."""
         model = self.model
         if self.offload:
             move_params(model.module, model.device)
         try:
-            return model.compute_log_probs(batch, temperature)  # reshards every unit at its end
+            return model.compute_log_probs(batch, self.temperature)  # reshards every unit at its end
         finally:
             if self.offload:
                 move_params(model.module, "cpu")
@@ -82,8 +85,8 @@ class AdapterOffReference:
     the rest of `worker.ref` (padding-free mode, fsdp, offload) has no weights of its own to act on.
     """
 
-    def __init__(self, actor_model: ShardedModel, ref: RefConfig) -> None:
-        self.model = actor_model
+    def __init__(self, actor_model: ShardedModel, ref: RefConfig, temperature: float) -> None:
+        self.model, self.temperature = actor_model, temperature
         self.micro_batch_size = ref.micro_batch_size_per_device_for_experience
         spec = actor_model.spec
         unused = {
@@ -98,8 +101,8 @@ class AdapterOffReference:
                 ", ".join(k for k, v in unused.items() if v),
             )
 
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> Tensor:
+    def compute_log_probs(self, batch: RolloutBatch) -> Tensor:
         """Reference log-probs [N, R]: the actor's forward with every adapter disabled."""
         module: Any = self.model.module  # an FSDP-sharded peft.PeftModel
         with module.disable_adapter():
-            return self.model.compute_log_probs(batch, temperature, self.micro_batch_size)
+            return self.model.compute_log_probs(batch, self.temperature, self.micro_batch_size)

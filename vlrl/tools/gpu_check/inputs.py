@@ -130,14 +130,14 @@ def scores_on_last_token(batch: RolloutBatch | StepSamples, seed: int = 0) -> to
 
 
 # ------------------------------------------------------------------------------------------
-# The actor's internals used by the checks. `compute_log_probs(batch, temperature)` and
-# `forward_micro_batch(mb, temperature, image_anchor)` are being reworked (a sampling-distribution
-# object may replace the temperature); only these two functions need to follow.
+# The actor's internals used by the checks: `compute_log_probs(batch)` (at the temperature the
+# Actor / Reference was built with) and `forward_micro_batch(mb, temperature, image_anchor)`; only
+# these two functions need to follow them.
 
 
-def actor_log_probs(model: Any, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+def actor_log_probs(model: Any, batch: RolloutBatch) -> torch.Tensor:
     """[N, R] fp32 CPU log-probs of `batch.responses` under an Actor / Reference (no grad)."""
-    return model.compute_log_probs(batch, temperature)
+    return model.compute_log_probs(batch)
 
 
 def actor_log_prob_grads(

@@ -208,7 +208,7 @@ def _reference_pass(ctx: Context, config, processor, model_dir: Path, batch, pha
 
     reference = build_reference(config, processor, ctx.device, model_path=str(model_dir))
     phases["ref_load"] = memory(ctx.device)
-    reference.compute_log_probs(batch, 1.0)
+    reference.compute_log_probs(batch)
     phases["ref_log_probs"] = memory(ctx.device)
     del reference
     _release(ctx.device)
