@@ -9,9 +9,9 @@ from vlrl.algorithms import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
-    apply_kl_penalty,
     kl_estimate,
     make_kl_controller,
+    penalized_rewards,
 )
 
 # logp - ref = [0.5, -1.0]
@@ -98,15 +98,24 @@ def test_make_kl_controller():
         make_kl_controller("pid", 0.01)
 
 
-def test_apply_kl_penalty():
+def test_penalized_rewards():
     # k1 = logp - ref = [[0.1, 0.2, 0.3], [0.4, 0.5, 9 (masked)], [all masked]], kl_coef 0.5:
     # rewards row 0: [0 - 0.05, 0 - 0.1, 1 - 0.15]; row 1: [0 - 0.2, 2 - 0.25, 0]; row 2 unchanged
     # per-seq mean KL: row 0 0.2, row 1 0.45; row 2 has no tokens and is left out -> 0.325
+    # masked sums: row 0 0.7, row 1 1.55, row 2 0 (no tokens; its raw sum is 3)
     scores = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0], [0.0, 0.0, 3.0]])
     logp = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 9.0], [1.0, 1.0, 1.0]], requires_grad=True)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
-    rewards, current = apply_kl_penalty(scores, logp, torch.zeros(3, 3), mask, kl_coef=0.5, kind="kl")
+    penalized = penalized_rewards(scores, logp, torch.zeros(3, 3), mask, kl_coef=0.5, kind="kl")
+    rewards = penalized.token_rewards
     expected = torch.tensor([[-0.05, -0.1, 0.85], [-0.2, 1.75, 0.0], [0.0, 0.0, 3.0]])
     torch.testing.assert_close(rewards, expected)
-    assert current == pytest.approx(0.325)
+    assert penalized.current_kl() == pytest.approx(0.325)
+    torch.testing.assert_close(penalized.sequence_scores, torch.tensor([0.7, 1.55, 0.0]))
+    torch.testing.assert_close(penalized.sums, torch.tensor([0.7, 1.55, 3.0]))
+    assert penalized.has_tokens.tolist() == [True, True, False]
+    assert (
+        penalized_rewards(scores, logp, torch.zeros(3, 3), mask, 0.5, "kl", per_token=False).token_rewards
+        is None
+    )
     assert not rewards.requires_grad, "rewards are targets, detached from the policy graph"

@@ -171,17 +171,3 @@ def penalized_rewards(
         has_tokens=tokens_per_seq > 0,
         token_rewards=rewards if per_token else None,
     )
-
-
-def apply_kl_penalty(
-    token_level_scores: Tensor,
-    log_probs: Tensor,
-    ref_log_probs: Tensor,
-    response_mask: Tensor,
-    kl_coef: float,
-    kind: str,
-) -> tuple[Tensor, float]:
-    """`penalized_rewards` on a whole batch: (token_level_rewards [B, T], current_kl)."""
-    penalized = penalized_rewards(token_level_scores, log_probs, ref_log_probs, response_mask, kl_coef, kind)
-    assert penalized.token_rewards is not None
-    return penalized.token_rewards, penalized.current_kl()
