@@ -35,12 +35,19 @@ def test_the_ranks_drifts_combine_weighted_by_their_tokens() -> None:
 
 def test_signal_watch_warns_every_tenth_step_in_a_row_without_advantages() -> None:
     """A collapsed policy (every reward 0, every advantage 0) once trained on silently for 57 steps."""
-    from vlrl.trainer.metrics import SignalWatch
+    from vlrl.trainer.metrics import SignalWatch, has_signal
 
-    watch, zero, some = SignalWatch(warn_every=10), torch.zeros(4, 3), torch.tensor([[0.0, 0.5], [-0.5, 0.0]])
+    zero, some = torch.zeros(4, 3), torch.tensor([[0.0, 0.5], [-0.5, 0.0]])
+    assert not has_signal(zero, {}) and has_signal(some, {})
+    # a token-level estimator: the ranks report the step's extremes instead of advantages
+    assert not has_signal(None, {"critic/advantages/max": 0.0, "critic/advantages/min": 0.0})
+    assert has_signal(None, {"critic/advantages/max": 0.0, "critic/advantages/min": -0.1})
+    watch = SignalWatch(warn_every=10)
     step_metrics = {"reward/overall": 0.0, "actor/entropy": 6.404}
-    warnings = [watch.update(zero, step_metrics) for _ in range(25)]
+    warnings = [watch.update(has_signal(zero, {}), step_metrics) for _ in range(25)]
     assert [i + 1 for i, w in enumerate(warnings) if w] == [10, 20] and watch.in_a_row == 25
     assert "10 steps in a row without a learning signal" in warnings[9]
     assert "mean reward 0.000, actor entropy 6.404" in warnings[9]
-    assert watch.update(some, step_metrics) is None and watch.in_a_row == 0  # a signal resets the count
+    assert (
+        watch.update(has_signal(some, {}), step_metrics) is None and watch.in_a_row == 0
+    )  # a signal resets the count

@@ -178,6 +178,34 @@ def test_kl_in_the_reward_follows_the_adaptive_controller(make) -> None:
     assert metrics["critic/kl"] > 0.0  # one update later it is not
 
 
+def test_reinforce_plus_plus_advantages_are_whitened_on_the_rank_with_the_kl_penalty_in(make) -> None:
+    """A token-level estimator: the driver sends the rows' scores, the rank computes the returns
+    with the KL penalty in them, whitens them over the step and reports their statistics."""
+    trainer = make(
+        "algorithm.adv_estimator=reinforce_plus_plus", "algorithm.disable_kl=false",
+        "algorithm.use_kl_loss=false", "algorithm.kl_coef=0.5", "worker.actor.optim.lr=1e-2",
+    )  # fmt: skip
+    actor, seen = trainer.ranks.workers[0].actor, []
+    update_policy = actor.update_policy
+    actor.update_policy = lambda batch, **k: (
+        seen.append((batch.advantages, batch.response_mask)),
+        update_policy(batch, **k),
+    )[1]
+    for step in (1, 2):
+        trainer.global_step = step
+        metrics = trainer.train_step()
+    advantages, mask = seen[-1]
+    valid = advantages[mask.bool()].double()
+    assert abs(valid.mean().item()) < 1e-6 and abs(valid.std(unbiased=False).item() - 1) < 1e-4
+    assert bool((advantages[~mask.bool()] == 0).all())
+    assert metrics["critic/advantages/mean"] == pytest.approx(valid.mean().item(), abs=1e-9)
+    assert (metrics["critic/advantages/max"], metrics["critic/advantages/min"]) == (
+        valid.max().item(),
+        valid.min().item(),
+    )
+    assert metrics["critic/kl"] > 0.0 and metrics["training/steps_without_signal"] == 0.0
+
+
 def test_on_policy_update_skips_the_old_log_prob_pass(make) -> None:
     trainer = make("worker.actor.global_batch_size=4", "worker.actor.ppo_epochs=1")
     assert trainer.config.on_policy_update

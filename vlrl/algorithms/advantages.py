@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
+SumOverRanks = Callable[[Tensor], Tensor]  # a float64 tensor's sum over the ranks that split a batch
 
 # Names whose advantage compares the samples of one prompt, so they need worker.rollout.n > 1.
 GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "grpo_passk"})
@@ -91,20 +92,27 @@ def _broadcast(seq_advantages: Tensor, response_mask: Tensor, dtype: torch.dtype
     return adv, adv.clone()
 
 
-def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
+def masked_whiten(
+    values: Tensor, mask: Tensor, eps: float = 1e-6, sum_over_ranks: SumOverRanks | None = None
+) -> Tensor:
     """(x - mean) / (std + eps) over all valid tokens of the batch; population std (divisor N).
 
     Masked positions are set to 0. A batch without valid tokens gives all zeros. The statistics
     are computed in float64 (like the group statistics): in float32 the mean of equal values that
     are not exactly representable (all 0.9) is off by ~1e-8, and dividing that residue by a std
     of the same size plus eps turned "all equal" into advantages of up to ~0.15 instead of 0.
+    `sum_over_ranks`: the batch is split over ranks, each holding `values` of its rows; the sums
+    the statistics need are added up over them (an all-reduce), so every rank whitens its rows with
+    the whole batch's mean and std.
     """
+    add = sum_over_ranks or (lambda local: local)
     m = mask.to(torch.float64)
-    n = m.sum().clamp(min=1)
     x = values.to(torch.float64)  # [B, T]
-    mean = torch.dot(x.flatten(), m.flatten()) / n
+    total, count = add(torch.stack([torch.dot(x.flatten(), m.flatten()), m.sum()]))
+    n = count.clamp(min=1)
+    mean = total / n
     centered = (x - mean).mul_(m)  # [B, T]
-    std = (torch.dot(centered.flatten(), centered.flatten()) / n).sqrt()
+    std = (add(torch.dot(centered.flatten(), centered.flatten())) / n).sqrt()
     return centered.div_(std + eps).to(values.dtype)
 
 
@@ -245,11 +253,13 @@ def reinforce_plus_plus(
     eps: float = 1e-6,
     norm_by_std: bool = True,
     baseline_scores: Tensor | None = None,
+    sum_over_ranks: SumOverRanks | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """REINFORCE++: discounted token returns G, whitened over all valid tokens of the batch."""
+    """REINFORCE++: discounted token returns G, whitened over all valid tokens of the batch (split
+    over ranks with `sum_over_ranks`, see `masked_whiten`)."""
     _check_inputs(token_level_rewards, response_mask, group_ids)
     returns = discounted_returns(token_level_rewards, response_mask, gamma)
-    return masked_whiten(returns, response_mask, eps), returns
+    return masked_whiten(returns, response_mask, eps, sum_over_ranks), returns
 
 
 # ----------------------------------------------------------------------------------- registry

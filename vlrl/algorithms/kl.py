@@ -124,24 +124,29 @@ def make_kl_controller(
 class KLPenalty:
     """The KL penalty in the reward, asked of the ranks that hold the rows' log-probs
     (`RankWorker.take_rows`): the step's coefficient, the estimator (`algorithm.kl_penalty`) and
-    each row's score [rows]; `per_token`: the estimator needs every token's reward (REINFORCE++)."""
+    each row's score [rows]."""
 
     coef: float
     kind: str
     scores: Tensor  # [rows] each row's overall score
-    per_token: bool = False
 
 
 @dataclass
 class PenalizedRewards:
     """Rewards with the KL penalty in them, reduced to what the driver needs: [B] each, plus the
-    [B, T] token rewards when asked for (`KLPenalty.per_token`)."""
+    [B, T] token rewards when asked for (`penalized_rewards(per_token=True)`)."""
 
     sequence_scores: Tensor  # sum_t reward_t * mask_t: what an outcome estimator reduces a response to
     sums: Tensor  # sum_t reward_t (logged as critic/rewards)
     sequence_kl: Tensor  # each sequence's masked-mean KL
     has_tokens: Tensor  # bool: the sequence has a response token
     token_rewards: Tensor | None = None  # [B, T]
+
+    def tensor_rewards(self) -> Tensor:
+        """The [B, T] token rewards (asked for with `per_token=True`)."""
+        if self.token_rewards is None:
+            raise ValueError("the token rewards were not kept: penalized_rewards(per_token=True) keeps them")
+        return self.token_rewards
 
     def current_kl(self) -> float:
         """The mean over sequences with a response token of their masked-mean KL (for the

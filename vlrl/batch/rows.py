@@ -171,16 +171,31 @@ PER_ROW_FIELDS = ("group_ids",)  # [N]
 TOKEN_ID_FIELDS = ("input_ids", "responses")  # padded with the pad token id; the rest with 0
 
 
+@dataclass(frozen=True)
+class TokenRewards:
+    """What a rank needs to compute a token-level estimator's advantages (REINFORCE++) on the rows
+    it holds: each row's score, the discount and, when the KL penalty is in the reward, this step's
+    coefficient and estimator. The whitening's sums are added up over the ranks (all-reduce)."""
+
+    estimator: str
+    scores: torch.Tensor  # [rows] each row's overall score
+    gamma: float
+    kl_coef: float | None = None  # None: no KL penalty in the reward
+    kl_kind: str = ""
+
+
 @dataclass
 class KeptRows:
     """An update's shard when the rank already holds its rows (kept by the log-prob pass): their ids
     and the columns the driver computed since, each either per token, e.g. {"advantages": [rows, R]},
     or, in `per_row`, one value per row [rows] that the rank spreads over the row's response tokens
-    (`spread_over_response`): an outcome estimator's advantages cross as 4 bytes a sample."""
+    (`spread_over_response`): an outcome estimator's advantages cross as 4 bytes a sample. A
+    token-level estimator's advantages are computed on the rank from `token_rewards` instead."""
 
     rows: list[int]
     columns: dict[str, torch.Tensor]
     per_row: dict[str, torch.Tensor] = field(default_factory=dict)
+    token_rewards: TokenRewards | None = None
 
 
 def one_value_per_row(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor | None:

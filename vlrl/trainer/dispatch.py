@@ -12,11 +12,12 @@ for the same rows).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from vlrl.algorithms.kl import PenalizedRewards
-from vlrl.batch.rows import KeptRows, PromptBatch, one_value_per_row
+from vlrl.batch.rows import KeptRows, PromptBatch, TokenRewards, one_value_per_row
 from vlrl.batch.samples import StepSamples
 
 
@@ -71,18 +72,23 @@ def gather_penalized(shards: list[list[int]], parts: list[PenalizedRewards], n_r
             out[rows] = getattr(part, name)
         return out
 
-    per_token = [p.token_rewards for p in parts if p.token_rewards is not None]  # [rows, R] each
-    token_rewards = None
-    if per_token:
-        token_rewards = gather_rows(shards, per_token, n_rows, max(t.shape[1] for t in per_token))
     return PenalizedRewards(
-        gather("sequence_scores"), gather("sums"), gather("sequence_kl"), gather("has_tokens"), token_rewards
+        gather("sequence_scores"), gather("sums"), gather("sequence_kl"), gather("has_tokens")
     )
 
 
-def update_inputs(samples: StepSamples, shards: list[list[int]]) -> list[KeptRows]:
+def update_inputs(
+    samples: StepSamples, shards: list[list[int]], token_rewards: TokenRewards | None = None
+) -> list[KeptRows]:
     """Each rank's update input: its rows' ids and the advantages, one float per row where they
-    are one value per response (the outcome estimators), else [rows, R]; the rest is on the rank."""
+    are one value per response (the outcome estimators), else [rows, R]; the rest is on the rank.
+    With `token_rewards` (a token-level estimator; its `scores` are the whole batch's [N]) the
+    ranks compute the advantages: each gets its rows' scores."""
+    if token_rewards is not None:
+        return [
+            KeptRows(rows, {}, token_rewards=replace(token_rewards, scores=token_rewards.scores[rows]))
+            for rows in shards
+        ]
     advantages = samples.tensor("advantages")
     per_row = one_value_per_row(advantages, samples.response_mask)
     inputs = []

@@ -57,11 +57,12 @@ def batch_metrics(batch: StepSamples, max_response_length: int) -> dict[str, flo
     metrics = {
         **_stats("critic/score", scores),
         **_stats("critic/rewards", batch.tensor("sequence_rewards")),
-        **_stats("critic/advantages", batch.tensor("advantages")[mask]),
         **_stats("response_length", response_len),
         **_stats("prompt_length", prompt_len),
         "response_length/clip_ratio": (response_len >= max_response_length).float().mean().item(),
     }
+    if batch.advantages is not None:  # None for a token-level estimator: its ranks report critic/advantages/*
+        metrics.update(_stats("critic/advantages", batch.advantages[mask]))
     metrics.update(multi_turn_metrics(batch.trajectories or [], "multi_turn"))
     return metrics
 
@@ -107,9 +108,9 @@ class SignalWatch:
     def __init__(self, warn_every: int = 10) -> None:
         self.warn_every, self.in_a_row = warn_every, 0
 
-    def update(self, advantages: torch.Tensor, metrics: dict[str, float]) -> str | None:
-        """After a step's advantages [N, R]: the warning to log, or None."""
-        if bool(advantages.abs().max() > 0) if advantages.numel() else False:
+    def update(self, signal: bool, metrics: dict[str, float]) -> str | None:
+        """After a step (`signal`: some advantage is not 0): the warning to log, or None."""
+        if signal:
             self.in_a_row = 0
             return None
         self.in_a_row += 1
@@ -123,6 +124,16 @@ class SignalWatch:
             + "), so every advantage is 0 and the updates change nothing; look at a few responses and their "
             "rewards (trainer.val_generations_to_log), and at whether the policy collapsed (actor/entropy)"
         )
+
+
+def has_signal(advantages: torch.Tensor | None, metrics: dict[str, float]) -> bool:
+    """Whether some advantage of the step is not 0: from the driver's advantages [N, R], or, for a
+    token-level estimator the ranks computed, from their `critic/advantages/max|min`."""
+    if advantages is not None:
+        return bool(advantages.abs().max() > 0) if advantages.numel() else False
+    return (
+        metrics.get("critic/advantages/max", 0.0) != 0.0 or metrics.get("critic/advantages/min", 0.0) != 0.0
+    )
 
 
 def throughput_metrics(batch: StepSamples, step_seconds: float, world_size: int) -> dict[str, float]:

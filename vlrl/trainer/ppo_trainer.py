@@ -35,7 +35,7 @@ from vlrl.algorithms import (
 from vlrl.algorithms.importance import combine_drift
 from vlrl.batch.held import publish, take
 from vlrl.batch.image_refs import ImageRefs
-from vlrl.batch.rows import PromptBatch, RolloutBatch
+from vlrl.batch.rows import PromptBatch, RolloutBatch, TokenRewards
 from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
 from vlrl.models.sampling import truncation_warning
@@ -56,6 +56,7 @@ from vlrl.trainer.metrics import (
     SignalWatch,
     batch_metrics,
     drift_warning,
+    has_signal,
     mean_reward_parts,
     multi_turn_metrics,
     throughput_metrics,
@@ -202,9 +203,16 @@ class PPOTrainer:
                 balanced_shards(batch.sequence_lengths, world, self.config.worker.actor.ulysses_size),
             )
             kl_in_reward = self.config.use_reference and not algo.use_kl_loss
+            scores = batch.tensor("token_level_scores").sum(-1)  # [N] each response's score
+            kl_coef = (
+                self.kl_ctrl.value if kl_in_reward else None
+            )  # this step's, before the controller moves it
             with timer("old_ref"):
                 plans = [batch.plan(rows) for rows in shards]
-                penalties = [self._kl_penalty(batch, rows) if kl_in_reward else None for rows in shards]
+                penalties = [
+                    None if kl_coef is None else KLPenalty(kl_coef, algo.kl_penalty, scores[rows])
+                    for rows in shards
+                ]
                 results = self.ranks.call(
                     RankWorker.take_rows, plans, shards, penalties, with_old=not self.config.on_policy_update
                 )  # fmt: skip
@@ -215,17 +223,24 @@ class PPOTrainer:
                     current_kl = penalized.current_kl()
                     self.kl_ctrl.update(current_kl, n_steps=n)
                     metrics.update({"critic/kl": current_kl, "critic/kl_coef": self.kl_ctrl.value})
-                batch.advantages = self._advantages(batch, penalized, baselines)  # 5.
+                batch.sequence_rewards = scores if penalized is None else penalized.sums
+                token_rewards = None  # 5. advantages: here, or on the ranks that hold the tokens
+                if algo.adv_estimator in TOKEN_LEVEL_ESTIMATORS:
+                    token_rewards = TokenRewards(
+                        algo.adv_estimator, scores, algo.gamma, kl_coef, algo.kl_penalty
+                    )
+                else:
+                    batch.advantages = self._outcome_advantages(batch, penalized, baselines)
             # 6. actor update (advantages weighted by truncated IS there), then weight sync to the engines
             with timer("update"):
-                results = self.ranks.call(RankWorker.update, update_inputs(batch, shards))
+                results = self.ranks.call(RankWorker.update, update_inputs(batch, shards, token_rewards))
             metrics.update(_mean_over_ranks([m for m, _ in results]))
             metrics.update(combine_drift([drift for _, drift in results]))
         if self.image_refs is not None:
             self.image_refs.clear()  # the ranks' updates released theirs
         metrics.update(batch_metrics(batch, self.config.data.max_response_length))
         metrics.update(self._check_drift(metrics))
-        stalled = self.signal.update(batch.tensor("advantages"), metrics)
+        stalled = self.signal.update(has_signal(batch.advantages, metrics), metrics)
         if stalled is not None:
             logger.warning("step %d: %s", self.global_step, stalled)
         metrics["training/steps_without_signal"] = float(self.signal.in_a_row)
@@ -234,30 +249,19 @@ class PPOTrainer:
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
 
-    def _kl_penalty(self, batch: StepSamples, rows: list[int]) -> KLPenalty:
-        """What a rank needs to put the KL penalty in the reward of `rows`: the controller's
-        coefficient, the estimator and the rows' scores."""
-        algo, scores = self.config.algorithm, batch.tensor("token_level_scores").sum(-1)  # [N]
-        per_token = algo.adv_estimator in TOKEN_LEVEL_ESTIMATORS
-        return KLPenalty(self.kl_ctrl.value, algo.kl_penalty, scores[torch.as_tensor(rows)], per_token)
-
-    def _advantages(
+    def _outcome_advantages(
         self, batch: StepSamples, penalized: PenalizedRewards | None, baselines: torch.Tensor | None
     ) -> torch.Tensor:
-        """[N, R] advantages from the scores, or from the rewards with the KL penalty the ranks
-        computed: per token for a token-level estimator, else one score per response. Sets the
-        samples' `sequence_rewards`."""
+        """[N, R] advantages of an outcome estimator from the scores, or from the per-response
+        scores with the KL penalty in them that the ranks computed."""
         algo, mask = self.config.algorithm, batch.response_mask
         kwargs = dict(gamma=algo.gamma, norm_by_std=algo.norm_adv_by_std_in_grpo, baseline_scores=baselines)
-        rewards = batch.tensor("token_level_scores") if penalized is None else penalized.token_rewards
-        if rewards is not None:  # [N, R]
-            batch.sequence_rewards = rewards.sum(-1) if penalized is None else penalized.sums
-            return compute_advantages(algo.adv_estimator, rewards, mask, batch.group_ids, **kwargs)[0]
-        assert penalized is not None
-        batch.sequence_rewards = penalized.sums
-        # an outcome estimator reduces each response to one score: the ranks sent it [N]
-        scores, ones = penalized.sequence_scores[:, None], torch.ones(len(batch), 1)
-        advantages = compute_advantages(algo.adv_estimator, scores, ones, batch.group_ids, **kwargs)[0]
+        if penalized is None:
+            scores = batch.tensor("token_level_scores")
+            return compute_advantages(algo.adv_estimator, scores, mask, batch.group_ids, **kwargs)[0]
+        # the estimator reduces each response to one score: the ranks sent it [N]
+        per_response, ones = penalized.sequence_scores[:, None], torch.ones(len(batch), 1)
+        advantages = compute_advantages(algo.adv_estimator, per_response, ones, batch.group_ids, **kwargs)[0]
         return advantages * mask.to(advantages.dtype)  # [N, 1] -> [N, R], as the estimators spread it
 
     def _check_drift(self, metrics: dict[str, float]) -> dict[str, float]:
