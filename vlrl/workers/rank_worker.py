@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlrl.algorithms.advantages import compute_advantages
 from vlrl.algorithms.importance import log_prob_drift, truncated_importance_weighting
 from vlrl.algorithms.kl import KLPenalty, PenalizedRewards, penalized_rewards
 from vlrl.batch.held import Held, TakePlan, publish, take
@@ -25,7 +24,6 @@ from vlrl.batch.rows import (
     KeptRows,
     PromptBatch,
     RolloutBatch,
-    TokenRewards,
     spread_over_response,
 )
 from vlrl.batch.samples import StepSamples
@@ -37,6 +35,7 @@ from vlrl.utils.gpu_driver import check_torch_sees_cuda
 from vlrl.utils.library_logs import quiet_library_logs
 from vlrl.utils.rank_threads import set_rank_threads
 from vlrl.workers.scoring import BatchScorer, RankScoring
+from vlrl.workers.token_advantages import token_level_advantages
 
 if TYPE_CHECKING:
     from vlrl.rollout.base import RolloutEngine
@@ -282,7 +281,8 @@ class RankWorker:
         algo = self.config.algorithm
         stats: dict[str, float] = {}
         if kept.token_rewards is not None:  # before the old log-probs may give way to the engine's
-            batch.advantages, stats = self._token_level_advantages(batch, kept.token_rewards)
+            ulysses = self.config.worker.actor.ulysses_size
+            batch.advantages, stats = token_level_advantages(batch, kept.token_rewards, ulysses)
         drift: dict[str, float] = {}
         if batch.old_log_probs is not None and batch.rollout_log_probs is not None:
             drift = log_prob_drift(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask)
@@ -308,41 +308,6 @@ class RankWorker:
         if self.role == "hybrid":
             metrics.update(self.sync_weights())
         return metrics, drift
-
-    def _token_level_advantages(
-        self, batch: RolloutBatch, spec: TokenRewards
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """A token-level estimator's advantages [rows, R] of this rank's rows, from their scores
-        (minus the KL penalty when it is in the reward) and whitened with the whole step's sums
-        over the training ranks; and their statistics over the whole step, the same on every rank."""
-        mask = batch.response_mask
-        rewards = scores_to_token_level(spec.scores, mask)
-        if spec.kl_coef is not None:
-            old, ref = batch.tensor("old_log_probs"), batch.tensor("ref_log_probs")
-            rewards = penalized_rewards(rewards, old, ref, mask, spec.kl_coef, spec.kl_kind).tensor_rewards()
-        advantages = compute_advantages(
-            spec.estimator,
-            rewards,
-            mask,
-            batch.group_ids,
-            gamma=spec.gamma,
-            sum_over_ranks=self._sum_over_ranks,
-        )[0]
-        valid = advantages[mask.bool()].double()  # [tokens]
-        total, count = self._sum_over_ranks(torch.stack([valid.sum(), torch.tensor(float(valid.numel()))]))
-        if count == 0:
-            return advantages, {}
-        extremes = torch.stack([valid.max(), -valid.min()]) if valid.numel() else torch.full((2,), -torch.inf)
-        torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
-        stats = {"mean": (total / count).item(), "max": extremes[0].item(), "min": -extremes[1].item()}
-        return advantages, {f"critic/advantages/{k}": v for k, v in stats.items()}
-
-    def _sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
-        """`local`'s sum over the training ranks (CPU tensors: gloo, on GPU machines too); the ranks
-        of a Ulysses group hold the same rows, so each row counts once."""
-        total = local.clone()
-        torch.distributed.all_reduce(total)
-        return total / self.config.worker.actor.ulysses_size
 
     def _kept_batch(self, kept: KeptRows) -> RolloutBatch:
         """The shard `take_rows` kept, in `kept.rows` order, with the driver's new columns."""
