@@ -513,7 +513,7 @@ class TrainerConfig(_Section):
     run stops as hung, naming the ranks that did not answer with their pid and host: the limit is
     max(hang_timeout, 10 x the longest the same call took earlier in the run), so it grows with
     measured step times. The first call of each kind (model loading, the first generation) must
-    finish within hang_timeout. 0: wait forever."""
+    finish within hang_timeout; a generation includes the rank's wait for its rewards. 0: wait forever."""
     dist_timeout_minutes: float = 60.0
     """Timeout of the ranks' collectives (torch.distributed). Generous by default: rank 0 reads the
     whole checkpoint from disk while the other ranks wait in the weight broadcast."""
