@@ -189,48 +189,18 @@ class PPOTrainer:
         return self.history
 
     def train_step(self) -> dict[str, float]:
-        algo, world = self.config.algorithm, self.config.train_world_size
         timer, metrics = PhaseTimer(), {}
         with timer("step"):
             # 1-2. draw prompts, generate and score until the batch holds rollout_batch_size groups;
             # the rows stay on the generating ranks, the driver holds `StepSamples`
             batch, baselines, reward_metrics = self._generate_scored_batch(timer)
             metrics.update(reward_metrics)
-            # 3. each training rank takes its token-balanced shard of the rows and keeps it with its
-            # old (unless on-policy: the update computes them) and reference log-probs
-            n, shards = (
-                len(batch),
-                balanced_shards(batch.sequence_lengths, world, self.config.worker.actor.ulysses_size),
-            )
-            kl_in_reward = self.config.use_reference and not algo.use_kl_loss
-            scores = batch.tensor("token_level_scores").sum(-1)  # [N] each response's score
-            kl_coef = (
-                self.kl_ctrl.value if kl_in_reward else None
-            )  # this step's, before the controller moves it
-            with timer("old_ref"):
-                plans = [batch.plan(rows) for rows in shards]
-                penalties = [
-                    None if kl_coef is None else KLPenalty(kl_coef, algo.kl_penalty, scores[rows])
-                    for rows in shards
-                ]
-                results = self.ranks.call(
-                    RankWorker.take_rows, plans, shards, penalties, with_old=not self.config.on_policy_update
-                )  # fmt: skip
-            with timer("adv"):
-                penalized = None
-                if kl_in_reward:  # 4. KL penalty in the reward (GRPO instead puts KL in the loss)
-                    penalized = gather_penalized(shards, results, n)
-                    current_kl = penalized.current_kl()
-                    self.kl_ctrl.update(current_kl, n_steps=n)
-                    metrics.update({"critic/kl": current_kl, "critic/kl_coef": self.kl_ctrl.value})
-                batch.sequence_rewards = scores if penalized is None else penalized.sums
-                token_rewards = None  # 5. advantages: here, or on the ranks that hold the tokens
-                if algo.adv_estimator in TOKEN_LEVEL_ESTIMATORS:
-                    token_rewards = TokenRewards(
-                        algo.adv_estimator, scores, algo.gamma, kl_coef, algo.kl_penalty
-                    )
-                else:
-                    batch.advantages = self._outcome_advantages(batch, penalized, baselines)
+            ulysses = self.config.worker.actor.ulysses_size
+            shards = balanced_shards(batch.sequence_lengths, self.config.train_world_size, ulysses)
+            with timer("old_ref"):  # 3-4.
+                penalized = self._take_rows(batch, shards)
+            with timer("adv"):  # 5.
+                token_rewards = self._advantages(batch, penalized, baselines, metrics)
             # 6. actor update (advantages weighted by truncated IS there), then weight sync to the engines
             with timer("update"):
                 results = self.ranks.call(RankWorker.update, update_inputs(batch, shards, token_rewards))
@@ -248,6 +218,45 @@ class PPOTrainer:
         metrics.update(throughput_metrics(batch, timer.seconds["step"], self.config.world_size))
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
+
+    def _take_rows(self, batch: StepSamples, shards: list[list[int]]) -> PenalizedRewards | None:
+        """3. Each training rank takes its token-balanced shard of the rows and keeps it with its
+        old (unless on-policy: the update computes them) and reference log-probs. 4. With the KL
+        penalty in the reward (GRPO puts KL in the loss instead) the ranks put it into their rows'
+        rewards: their per-response values, in batch order."""
+        algo = self.config.algorithm
+        kl_in_reward = self.config.use_reference and not algo.use_kl_loss
+        scores = batch.tensor("token_level_scores").sum(-1)  # [N] each response's score
+        penalties = [
+            KLPenalty(self.kl_ctrl.value, algo.kl_penalty, scores[rows]) if kl_in_reward else None
+            for rows in shards
+        ]
+        plans = [batch.plan(rows) for rows in shards]
+        with_old = not self.config.on_policy_update
+        results = self.ranks.call(RankWorker.take_rows, plans, shards, penalties, with_old=with_old)
+        return gather_penalized(shards, results, len(batch)) if kl_in_reward else None
+
+    def _advantages(
+        self,
+        batch: StepSamples,
+        penalized: PenalizedRewards | None,
+        baselines: torch.Tensor | None,
+        metrics: dict[str, float],
+    ) -> TokenRewards | None:
+        """5. An outcome estimator's advantages, here; a token-level estimator's are computed by the
+        ranks that hold the tokens: what they need is returned. The KL penalty's controller moves."""
+        algo = self.config.algorithm
+        scores = batch.tensor("token_level_scores").sum(-1)  # [N]
+        kl_coef = None
+        if penalized is not None:
+            kl_coef, current_kl = self.kl_ctrl.value, penalized.current_kl()  # the coefficient the ranks used
+            self.kl_ctrl.update(current_kl, n_steps=len(batch))
+            metrics.update({"critic/kl": current_kl, "critic/kl_coef": self.kl_ctrl.value})
+        batch.sequence_rewards = scores if penalized is None else penalized.sums
+        if algo.adv_estimator in TOKEN_LEVEL_ESTIMATORS:
+            return TokenRewards(algo.adv_estimator, scores, algo.gamma, kl_coef, algo.kl_penalty)
+        batch.advantages = self._outcome_advantages(batch, penalized, baselines)
+        return None
 
     def _outcome_advantages(
         self, batch: StepSamples, penalized: PenalizedRewards | None, baselines: torch.Tensor | None
