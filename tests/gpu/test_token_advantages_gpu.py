@@ -3,6 +3,8 @@ CPU (gloo) backend of the default group that a CUDA rank initialises with NCCL f
 (`process_group_backend("cuda")`); without a CPU backend the all-reduce raises. World of one: the
 advantages equal the estimator's on one process."""
 
+import socket
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,15 +13,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def test_token_level_advantages_all_reduce_on_a_nccl_rank() -> None:
-    from tests.actor.actor_helpers import free_port
     from vlrl.algorithms import compute_advantages
     from vlrl.batch.rows import RolloutBatch, TokenRewards
     from vlrl.rewards import scores_to_token_level
     from vlrl.workers.rank_worker import process_group_backend
     from vlrl.workers.token_advantages import token_level_advantages
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     dist.init_process_group(
-        process_group_backend("cuda"), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        process_group_backend("cuda"), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
     )
     try:
         lengths = torch.tensor([3, 5, 0, 2])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from actor_helpers import init_gloo, launch
 
-from tests.actor.actor_helpers import init_gloo, launch
 from vlrl.algorithms import compute_advantages
 
 SHARDS = [[0, 5, 2, 7], [1, 3, 4, 6]]
