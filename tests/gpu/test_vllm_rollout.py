@@ -1,5 +1,6 @@
 """The vLLM engine on one CUDA GPU (one-rank NCCL world): the model runner vLLM picks there (V2 by
-default in vLLM 0.32) takes our token-ban processor, per-request seeds repeat, sleep mode round-trips.
+default in vLLM 0.32) takes our token-ban processor, per-request seeds repeat, sleep mode round-trips
+at level 1 and level 2 (weights discarded), and the log-probs are those of the truncated distribution.
 
 Needs vLLM (skipped where it is not installed, e.g. the bare GPU machine of docs/gpu.md). The
 CPU-side logic is tested in tests/rollout/test_vllm_runner.py; these tests prove it on the real runner.
@@ -106,3 +107,61 @@ def test_sleep_sync_wake_round_trip(gpu):
     again = gpu.engine.generate(gpu.prompts, {"seed": 9}).responses
     assert not gpu.engine.asleep
     assert again.equal(awake)
+
+
+def _weight_allocations() -> list:
+    """The CuMem allocator's `weights` allocations (vllm/device_allocator/cumem.py): the engine runs
+    in this process (external_launcher), so the allocator is this process's singleton."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    return [d for d in CuMemAllocator.get_instance().pointer_to_data.values() if d.tag == "weights"]
+
+
+def _weight_bytes(engine) -> int:
+    def count(worker) -> int:
+        return sum(p.numel() * p.element_size() for p in worker.model_runner.get_model().parameters())
+
+    return int(engine.llm.collective_rpc(count)[0])
+
+
+def test_level_2_sleep_discards_the_weights_and_a_sync_restores_them(gpu):
+    """`sleep(weights_replaced_next=True)` (level 2, `vllm_engine.sleep_level`): the weights' GPU memory
+    is released without a host copy, generate refuses until a sync, and after the sync the samples and
+    log-probs are the awake engine's. Level 1 keeps a host copy (the contrast)."""
+    from vlrl.rollout import NoWeightsError
+
+    awake = gpu.engine.generate(gpu.prompts, {"seed": 9})
+    weight_bytes = _weight_bytes(gpu.engine)
+    gpu.engine.sleep()  # level 1: the weights are backed up to host memory
+    assert gpu.engine.has_weights and all(d.cpu_backup_tensor is not None for d in _weight_allocations())
+    gpu.engine.wake_up()
+
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    gpu.engine.sleep(weights_replaced_next=True)
+    torch.cuda.synchronize()
+    freed = torch.cuda.mem_get_info()[0] - free_awake
+    weights = _weight_allocations()
+    assert weights and all(d.is_asleep and d.cpu_backup_tensor is None for d in weights)  # no host copy
+    assert freed >= weight_bytes  # the weights (and the KV cache) left the GPU
+    assert gpu.engine.weights_discarded and not gpu.engine.has_weights
+    with pytest.raises(NoWeightsError, match="level 2"):
+        gpu.engine.generate(gpu.prompts, {"seed": 9})
+
+    sync_weights(gpu.base, gpu.engine, bucket_mb=4)  # wakes the weights into fresh memory, loads all
+    again = gpu.engine.generate(gpu.prompts, {"seed": 9})
+    assert again.responses.equal(awake.responses)
+    mask = awake.response_mask.bool()
+    torch.testing.assert_close(
+        again.rollout_log_probs[mask], awake.rollout_log_probs[mask], rtol=0, atol=1e-5
+    )
+
+
+def test_log_probs_are_those_of_the_truncated_distribution(gpu):
+    """The runner vLLM picks on CUDA (V2 by default) returns the log-probs of the distribution it
+    sampled from, top-k/top-p applied (vllm_settings.LOGPROBS_MODE): with one token kept they are 0."""
+    for overrides in ({"top_k": 1, "seed": 3}, {"top_p": 1e-6, "seed": 3}):
+        out = gpu.engine.generate(gpu.prompts, overrides)
+        assert out.rollout_log_probs[out.response_mask.bool()].abs().max().item() == 0.0
+    full = gpu.engine.generate(gpu.prompts, {"seed": 3})
+    assert full.rollout_log_probs[full.response_mask.bool()].lt(-1e-3).any()

@@ -317,3 +317,20 @@ def test_actor_scores_what_the_engines_sample(vl, tmp_path):
             assert (raw - expected)[mask].abs().min() > 0.1
     finally:
         sync_weights(vl.base, vl.engine, bucket_mb=64)
+
+
+def test_log_probs_are_those_of_the_truncated_distribution(vl):
+    """V1 runner (CPU): the engine's log-probs include top-k/top-p (vllm_settings.LOGPROBS_MODE).
+
+    With top_k=1 (or a tiny top_p) the distribution sampled from keeps one token: its log-prob is
+    exactly 0, whereas the untruncated one of a random-ish tiny model is well below 0."""
+    from vlrl.rollout import vllm_settings
+
+    synced(vl)
+    assert vl.engine.llm.llm_engine.vllm_config.model_config.logprobs_mode == vllm_settings.LOGPROBS_MODE
+    for overrides in ({"top_k": 1, "seed": 3}, {"top_p": 1e-6, "seed": 3}):
+        out = vl.engine.generate(vl.prompts, overrides)
+        mask = out.response_mask.bool()
+        assert out.rollout_log_probs[mask].abs().max().item() == 0.0
+    full = vl.engine.generate(vl.prompts, {"seed": 3})
+    assert full.rollout_log_probs[full.response_mask.bool()].lt(-1e-3).any()

@@ -208,13 +208,15 @@ def test_sleep_decision(enable, on_gpu, rollout_only, sleeps):
 class _RecordingEngine:
     """Stands in for the rank's engine: records sleep/wake calls, streams one group and a batch."""
 
+    weights_discarded = False
+
     def __init__(self) -> None:
         self.calls: list[str] = []
 
     def wake_up(self) -> None:
         self.calls.append("wake_up")
 
-    def sleep(self) -> None:
+    def sleep(self, weights_replaced_next: bool = False) -> None:
         self.calls.append("sleep")
 
     def generate_stream(self, prompts: Any, overrides: Any) -> Iterator[Any]:
@@ -246,7 +248,11 @@ def run_generate(role: str) -> list[str]:
     engine = _RecordingEngine()
     worker.role, worker.rollout, worker.image_refs, worker.device = role, engine, None, torch.device("cpu")
     worker.rank = 0  # the first rank of its tensor-parallel group: it returns the rollouts
-    worker.config = SimpleNamespace(worker=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=1)))  # type: ignore[assignment]
+    worker.config = SimpleNamespace(  # type: ignore[assignment]
+        worker=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=1)),
+        data=SimpleNamespace(rollout_batch_size=1, mini_rollout_batch_size=None),
+        algorithm=SimpleNamespace(online_filtering=False, adv_estimator="grpo"),
+    )
     worker.actor = _RecordingActor(engine.calls)  # type: ignore[assignment]
     worker.published = []
     samples = worker.generate(SimpleNamespace(), keep_for=1)  # type: ignore[arg-type]

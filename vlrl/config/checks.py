@@ -264,6 +264,7 @@ def _check_async(config: PPOConfig) -> list[str]:
             "worker.rollout.calculate_log_probs=true and no algorithm.tis_cap (the ratio already corrects "
             "for the sampling policy)"
         )
+    errors += _truncated_ratio_errors(config)
     if rollout.async_ranks == 0:
         return errors
     if not 0 < rollout.async_ranks < config.world_size:
@@ -290,6 +291,32 @@ def _check_async(config: PPOConfig) -> list[str]:
             "asynchronous mode with LoRA is not built (merged weights are broadcast by the hybrid sync only)"
         )
     return errors
+
+
+def _truncated_ratio_errors(config: PPOConfig) -> list[str]:
+    """algorithm.old_policy=rollout with top-k, or a top-p below the PPO clip's lower bound.
+
+    The engine's log-probs are those of the truncated, renormalised distribution it samples from, on
+    the CPU and the GPU runner alike (vlrl/rollout/vllm_settings.py, LOGPROBS_MODE); the actor scores
+    the untruncated one (vlrl/models/sampling.py). With old_policy=rollout the PPO ratio is
+    pi_actor / pi_engine, which before any update equals the mass Z the truncation keeps, not 1.
+    top-p keeps Z >= top_p; top-k bounds nothing. Once Z < 1 - clip_ratio_low the clip holds a
+    token's ratio before the update has moved it (no gradient for its negative advantages).
+    truncated IS (tis_cap) is not refused: pi_old / pi_engine is the importance weight toward the
+    distribution that actually sampled."""
+    rollout, algo, actor = config.worker.rollout, config.algorithm, config.worker.actor
+    if algo.old_policy != "rollout" or not (rollout.top_k > 0 or rollout.top_p < 1 - actor.clip_ratio_low):
+        return []
+    return [
+        f"algorithm.old_policy=rollout (auto picks it in asynchronous mode) with worker.rollout.top_p="
+        f"{rollout.top_p} / top_k={rollout.top_k}: the engine's log-probs are of the truncated distribution "
+        "and the actor's of the untruncated one, so the PPO ratio starts at the kept probability mass "
+        f"instead of 1; below 1 - worker.actor.clip_ratio_low={1 - actor.clip_ratio_low:g} the clip "
+        "then drops the gradient of those tokens' negative advantages before the update moved anything. "
+        "Set top_k=-1 and top_p >= "
+        f"{1 - actor.clip_ratio_low:g} (1: no truncation), or algorithm.old_policy=actor (with "
+        "algorithm.tis_cap to correct for the sampling policy)"
+    ]
 
 
 def _check_rollout(config: PPOConfig) -> list[str]:

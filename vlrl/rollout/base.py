@@ -149,6 +149,22 @@ def seeded_rng(seed: int | None) -> Iterator[None]:
         yield
 
 
+def sync_follows(config: Any, training: bool) -> bool:
+    """Whether a hybrid rank's engine is synced before it generates again, after a generation
+    (`training`: one that publishes rows for the step's update, else validation or ReMax's greedy pass).
+
+    A step draws rounds until `data.rollout_batch_size` groups are kept (vlrl.trainer.rounds,
+    `BatchFiller.fill`); after each round ReMax generates its greedy baselines; the update then
+    syncs the weights (`RankWorker.update`). So the sync is next only after a training generation
+    that is the step's one round: no online filtering, no smaller `data.mini_rollout_batch_size`,
+    not ReMax. Validation is followed by a training generation. `config`: the `PPOConfig`."""
+    data, algo = config.data, config.algorithm
+    one_round = not algo.online_filtering and (
+        data.mini_rollout_batch_size is None or data.mini_rollout_batch_size >= data.rollout_batch_size
+    )
+    return training and one_round and algo.adv_estimator != "remax"
+
+
 class RolloutEngine(ABC):
     """What the trainer's per-rank worker calls. Subclasses set `dp_rank` and the token sets."""
 
@@ -203,8 +219,15 @@ class RolloutEngine(ABC):
     def weight_dtype(self) -> torch.dtype:
         """Dtype the engine keeps its weights in (sync converts to it before loading)."""
 
-    def sleep(self) -> None:
-        """Free memory between generations (GPU vLLM with sleep mode); a no-op otherwise."""
+    weights_discarded: bool = False
+    """True after a `sleep` that discarded the weights (vLLM level 2): the engine refuses to
+    generate until the next full weight sync."""
+
+    def sleep(self, weights_replaced_next: bool = False) -> None:
+        """Free memory between generations (GPU vLLM with sleep mode); a no-op otherwise.
+
+        `weights_replaced_next`: the caller's next use of the engine is a full weight sync, so an
+        engine may discard its weights instead of keeping a copy (`vllm_engine.sleep_level`)."""
         return None
 
     def wake_up(self) -> None:

@@ -7,7 +7,8 @@ and sample identically; data-parallel groups (dp_rank = rank // T) get different
 seeds (`seed + dp_rank`).
 
 The engine starts from random weights (load format `vlrl_dummy`) and refuses to generate until it
-has received the actor's weights (`sync_weights` / `load_weights`).
+has received the actor's weights (`sync_weights` / `load_weights`), and again after a sleep that
+discarded them (level 2, `sleep_level`) until the next sync.
 """
 
 from __future__ import annotations
@@ -100,12 +101,45 @@ about 2 GiB, and 15% is 12 GiB on an 80 GiB GPU, 3.6 GiB on a 24 GiB one."""
 
 
 def uses_sleep_mode(config: Any, *, on_gpu: bool, rollout_only: bool) -> bool:
-    """Whether the engine sleeps between generations (vLLM sleep mode, `LLM.sleep(level=1)`).
+    """Whether the engine sleeps between generations (vLLM sleep mode, `LLM.sleep`; the level is
+    `sleep_level`'s).
 
     Only hybrid ranks on GPU: they free the GPU for the actor's update. vLLM refuses sleep mode on
     CPU. A rollout-only rank holds no actor or optimizer, so sleeping would only move its weights to
     host memory and drop its KV cache every step, and wake them again for the next generation."""
     return bool(config.enable_sleep_mode) and on_gpu and not rollout_only
+
+
+def sleep_level(*, sleep_mode: bool, weights_replaced_next: bool) -> int:
+    """vLLM sleep level for one `sleep`: 0 stays awake, 1 keeps the weights, 2 discards them.
+
+    What the levels do in vLLM 0.32 (CUDA, the default `cumem` backend):
+    - `CuMemBackend.suspend` (vllm/device_allocator/sleep_mode_backend.py) backs up the
+      `runtime` and `cudagraph` allocations to host memory at every level, and the `weights` ones
+      only at level 1; everything else, the `kv_cache` pool included, is unmapped without a copy
+      (`CuMemAllocator.sleep`, vllm/device_allocator/cumem.py). Level 1 thus copies every weight to
+      pinned host memory when it sleeps and back when it wakes (`CuMemAllocator.wake_up`).
+    - Level 2 also keeps the model's buffers (rotary caches and the like): `Worker.sleep` copies
+      `named_buffers()` to the CPU and `Worker.wake_up` copies them back when `"weights"` is among
+      the tags (vllm/v1/worker/gpu_worker.py). `wake_up(tags=["weights"])` maps fresh, uninitialised
+      memory at the same addresses, which the next load fills: our reload
+      (`vllm_hooks.reload_on_worker`) copies every processed tensor into those original storages
+      (`_copy_and_restore_kernel_tensors`, vllm/model_executor/model_loader/reload/layerwise.py).
+
+    `weights_replaced_next`: the caller knows that the engine's next use is a full weight sync
+    (hybrid rank: the last generation of a training step; the update's `sync_weights` follows), so
+    the copy level 1 would make is overwritten unread: level 2 skips both transfers and the pinned
+    host copy. Otherwise (validation, ReMax's greedy pass, a step with more generation rounds) the
+    engine must generate again with the weights it has: level 1.
+
+    A LoRA actor does not change this: its sync sends the merged full weights under the base names
+    (`weight_sync.full_named_tensors` -> `vlrl.models.lora.merged_named_tensors`), the engine has no
+    adapter slots (no `enable_lora` in `llm_kwargs`), and `VLLMRolloutEngine._load_buckets` refuses
+    a load that leaves any vLLM parameter unset. Every sync replaces every weight.
+    """
+    if not sleep_mode:
+        return 0
+    return 2 if weights_replaced_next else 1
 
 
 def memory_fraction(config: Any, *, on_gpu: bool, rollout_only: bool) -> float:
@@ -184,8 +218,9 @@ def llm_kwargs(
         enforce_eager=c.enforce_eager or not on_gpu,  # CPU: no graphs, skip compilation
         gpu_memory_utilization=memory_fraction(c, on_gpu=on_gpu, rollout_only=rollout_only),
         logits_processors=[vllm_hooks.ban_tokens_processor(banned_token_ids, use_v2_runner)],
-        # log-probs after temperature and the token ban: what the actor recomputes
-        logprobs_mode="processed_logprobs",
+        # log-probs of the distribution each token was drawn from, on both runners (temperature,
+        # token ban, top-k/top-p and renormalisation applied; vllm_settings.LOGPROBS_MODE)
+        logprobs_mode=vllm_settings.LOGPROBS_MODE,
         disable_log_stats=c.disable_log_stats,
     )
     if limit_images is not None:
@@ -266,7 +301,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.device_normalize = not self.limit_videos or vllm_hooks.device_normalization_ok(processor)
         self._check_limits()
         self.llm = self._build_llm(model_path, tokenizer)
-        self.has_weights = False
+        self.has_weights = False  # False: the weights are random, discarded or half-loaded
+        self.weights_discarded = False  # by a level-2 sleep (`sleep_level`); a full sync restores them
         self.asleep = False
         self._asleep_tags: set[str] = set()
 
@@ -337,6 +373,7 @@ class VLLMRolloutEngine(RolloutEngine):
             if self._shm_ident:  # no engine to close: drop the segments it may have made
                 vllm_hooks.remove_cpu_shm(f"{self._shm_ident}-")
             raise
+        vllm_settings.check_logprobs_mode(llm.llm_engine.vllm_config.model_config.logprobs_mode)
         runs_v2 = bool(llm.llm_engine.vllm_config.use_v2_model_runner)
         if runs_v2 != self.use_v2:
             raise RuntimeError(
@@ -360,6 +397,24 @@ class VLLMRolloutEngine(RolloutEngine):
         return getattr(torch, VLLM_DTYPES[self.config.dtype])
 
     # ------------------------------------------------------------------------ generation
+    def _require_weights(self) -> None:
+        """Refuse to generate from weights the engine does not have (random, discarded by a level-2
+        sleep, or left half-loaded by a failed sync): that would sample garbage silently."""
+        if self.has_weights:
+            return
+        if self.weights_discarded:
+            cause = (
+                "the engine slept at level 2 (sleep(weights_replaced_next=True)), which discards its "
+                "weights, and no full weight sync has reloaded them since; sync before generating, or "
+                "sleep with weights_replaced_next=False (level 1) when a generation comes first"
+            )
+        else:
+            cause = "the vLLM engine starts with random weights (or its last weight load failed)"
+        raise NoWeightsError(
+            f"{cause}: sync the actor's weights first "
+            "(vlrl.rollout.sync_weights(actor_module, engine, bucket_mb) or engine.load_weights(...))"
+        )
+
     def sampling_params(
         self, s: SamplingSettings, seed: int | None = None, stop_token_ids: list[int] | None = None
     ) -> Any:
@@ -416,11 +471,7 @@ class VLLMRolloutEngine(RolloutEngine):
     ) -> Iterator[FinishedGroups | RolloutBatch]:
         """Single-turn: each engine step's finished groups as they end, then the shard's batch.
         Multi-turn: the batch only."""
-        if not self.has_weights:
-            raise NoWeightsError(
-                "the vLLM engine starts with random weights: sync the actor's weights first "
-                "(vlrl.rollout.sync_weights(actor_module, engine, bucket_mb) or engine.load_weights(...))"
-            )
+        self._require_weights()
         if self.asleep:
             self.wake_up()
         s = resolve_sampling(self.config, self.data_config.max_response_length, overrides)
@@ -571,7 +622,11 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _load_buckets(self, buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
         if self.asleep:
-            self._wake(["weights"])  # the KV cache stays released until generate()
+            # After a level-2 sleep this maps fresh memory and restores the buffers; the load below
+            # writes every parameter into it (`sleep_level`). The KV cache stays released until
+            # generate().
+            self._wake(["weights"])
+        self.has_weights = False  # until the load has covered every parameter
         loaded, expected = self.llm.collective_rpc(vllm_hooks.reload_on_worker, args=(buckets,))[0]
         missing = sorted(expected - loaded)
         if missing:
@@ -582,15 +637,21 @@ class VLLMRolloutEngine(RolloutEngine):
         # Cached KV blocks and vision embeddings (scheduler bookkeeping and storage) are stale now.
         self.llm.reset_prefix_cache()
         self.llm.llm_engine.reset_encoder_cache()
-        self.has_weights = True
+        self.has_weights, self.weights_discarded = True, False
 
     # ------------------------------------------------------------------------ memory
-    def sleep(self) -> None:
-        """GPU with sleep mode: offload weights to CPU and drop the KV cache (level 1). CPU: no-op."""
-        if self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
-            self._asleep_tags = {"weights", "kv_cache"}
+    def sleep(self, weights_replaced_next: bool = False) -> None:
+        """GPU with sleep mode: drop the KV cache, and offload the weights to host memory (level 1)
+        or, with `weights_replaced_next`, discard them (level 2: the next use must be a full sync,
+        generate refuses until then). CPU and rollout-only ranks: a no-op (`sleep_level`)."""
+        level = sleep_level(sleep_mode=self.sleep_enabled, weights_replaced_next=weights_replaced_next)
+        if level == 0 or self.asleep:
+            return
+        self.llm.sleep(level=level)
+        self.asleep = True
+        self._asleep_tags = {"weights", "kv_cache"}
+        if level == 2:
+            self.has_weights, self.weights_discarded = False, True
 
     def wake_up(self) -> None:
         if self.sleep_enabled and self.asleep:

@@ -178,8 +178,10 @@ def _ban_tokens_v2(banned: tuple[int, ...]) -> type:
 
     class BanTokensV2(LogitsProcessor):
         """V2 runner. `Sampler.apply_sampling_params` (vllm/v1/worker/gpu/sample/sampler.py) calls
-        `apply` on an fp32 copy of the logits before temperature and top-k/top-p, and the
-        sampler takes `processed_logprobs` from the result, so the log-probs see the ban too."""
+        `apply` on an fp32 copy of the logits before temperature and top-k/top-p; `_sample_random`
+        then masks that tensor with top-k/top-p and samples from it, and `processed_logprobs` are
+        taken from the masked result, so the log-probs see the ban (and the truncation) too
+        (vllm_settings.LOGPROBS_MODE)."""
 
         def __init__(self, vllm_config: Any, req_states: Any) -> None:
             # req_states: LogitsProcRequestState (device, vocab_size of the sampler's logits)

@@ -148,3 +148,41 @@ def check_vllm_version() -> None:
     error = vllm_version_error(str(getattr(vllm, "__version__", "unknown")))
     if error is not None:
         raise RuntimeError(error)
+
+
+# ---------------------------------------------------------------------------- engine log-probs
+LOGPROBS_MODE = "processed_logprobs"
+"""`LLM(logprobs_mode=...)`: the engine's log-prob of a sampled token is taken from the distribution
+that token was drawn from, on the CPU runner and on the GPU one alike (vLLM 0.32):
+
+- V1 runner (CPU; CUDA when V2 is off): `TopKTopPSampler.forward_native` / `forward_cpu`
+  (vllm/v1/sample/ops/topk_topp_sampler.py) apply top-k/top-p (`apply_top_k_top_p`, -inf outside the
+  kept set) and return `log_softmax` of those masked logits in this mode, then sample from their
+  softmax. On CUDA the FlashInfer sampler, which cannot return them, is not chosen in this mode
+  (`TopKTopPSampler.__init__`: `can_use_flashinfer` requires a mode outside PROCESSED_LOGPROBS_MODES).
+- V2 runner (CUDA default): `Sampler.sample` (vllm/v1/worker/gpu/sample/sampler.py) applies the
+  logits processors (our token ban), temperature and min-p (`apply_sampling_params`,
+  `skip_top_k_top_p=True`), then `_sample_random` masks with `apply_top_k_top_p` and draws with
+  `gumbel_sample` from that masked tensor, which it returns as `processed_logits`; `Sampler.__call__`
+  takes the log-probs (`compute_topk_scores`, vllm/v1/worker/gpu/sample/logprob.py) from it in the
+  processed modes. The fused FlashInfer/XPU samplers, which return no masked logits, are ruled out
+  whenever processed log-probs are returned (`fused_sampler_eligible`), and also by our per-request
+  seeds (`vllm_hooks.request_seeds`).
+
+So with top_p < 1 or top_k > 0 the engine's log-prob is log(p(token) / Z), Z the kept mass; the
+actor scores the untruncated distribution (vlrl/models/sampling.py), which is what
+`truncation_warning` there and `vlrl.config.checks` (old_policy=rollout) are about. The raw modes
+would give log-probs before temperature and the token ban, which nothing in vlrl computes.
+tests/rollout/test_vllm_engine.py (V1) and tests/gpu/test_vllm_sleep_and_logprobs.py (V2) sample
+with top_k=1: every log-prob of a truncated distribution is then exactly 0."""
+
+
+def check_logprobs_mode(mode: str) -> None:
+    """Raise when the built engine returns other log-probs than `LOGPROBS_MODE`'s (a vLLM that
+    renamed or ignored the setting): `rollout_log_probs` would silently describe another policy."""
+    if mode != LOGPROBS_MODE:
+        raise RuntimeError(
+            f"vLLM reports logprobs_mode={mode!r}, vlrl asked for {LOGPROBS_MODE!r}: the engine's "
+            "log-probs would not be those of the distribution it samples from "
+            "(see vlrl/rollout/vllm_settings.py, LOGPROBS_MODE)"
+        )

@@ -30,6 +30,7 @@ from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
 from vlrl.rewards import scores_to_token_level
 from vlrl.rewards.runner import RewardRunner
+from vlrl.rollout.base import sync_follows
 from vlrl.rollout.weight_broadcast import WeightBroadcast
 from vlrl.utils.gpu_driver import check_torch_sees_cuda
 from vlrl.utils.library_logs import quiet_library_logs
@@ -165,7 +166,7 @@ class RankWorker:
         self._fetch_media(prompts)
         scoring = self._scoring(prompts) if score and self._reports_rollouts() else None
         try:
-            batch = self._run_engine(prompts, overrides, scoring)
+            batch = self._run_engine(prompts, overrides, scoring, training=keep_for is not None)
         except BaseException:
             if scoring is not None:
                 scoring.abort()
@@ -185,15 +186,25 @@ class RankWorker:
         return samples
 
     def _run_engine(
-        self, prompts: PromptBatch, overrides: dict[str, Any] | None, scoring: RankScoring | None
+        self,
+        prompts: PromptBatch,
+        overrides: dict[str, Any] | None,
+        scoring: RankScoring | None,
+        training: bool = False,
     ) -> RolloutBatch:
         """The engine's batch for `prompts`; the groups it reports finished early go to `scoring`.
 
         On a hybrid rank the actor's shards leave the GPU first (`worker.actor.offload`) and the
         allocator's cached blocks are released, so the engine can wake into that memory; the engine
-        sleeps again and they come back afterwards. A rollout-only rank (asynchronous mode) holds
-        nothing to make room for: its engine stays awake between steps."""
+        sleeps again and they come back afterwards. It discards its weights in that sleep when the
+        update's sync comes next (`training`: rows for the update; `vlrl.rollout.base.sync_follows`).
+        A rollout-only rank (asynchronous mode) holds nothing to make room for: its engine stays
+        awake between steps."""
         hybrid = self.role == "hybrid"
+        if hybrid and self.rollout.weights_discarded:
+            # A level-2 sleep that no sync followed (not expected, `sync_follows`): the actor holds
+            # exactly the weights the engine discarded, so this costs a sync, not correctness.
+            self.sync_weights()
         if hybrid:
             self.actor.offload_to_cpu()
             _release_cached_memory(self.device)
@@ -206,7 +217,7 @@ class RankWorker:
                 elif scoring is not None:
                     scoring.add_groups(item)
             if hybrid:
-                self.rollout.sleep()
+                self.rollout.sleep(weights_replaced_next=sync_follows(self.config, training))
         finally:
             if hybrid:
                 self.actor.load_to_device()
