@@ -119,7 +119,7 @@ def test_reference_follows_the_actor_unless_set(base: list[str]) -> None:
         ("worker.hybrid_engine=false", "worker.hybrid_engine=false: the actor and reference always share their ranks"),
         ("worker.actor.strategy=megatron", "worker.actor.strategy='megatron': only fsdp"),
         ("worker.ref.strategy=megatron", "worker.ref.strategy='megatron': only fsdp"),
-        ("worker.actor.fsdp.fsdp_size=1", "worker.actor.fsdp.fsdp_size=1: hybrid sharding"),
+        ("worker.actor.fsdp.fsdp_size=0", "worker.actor.fsdp.fsdp_size=0 must be -1 or >= 1"),
         ("worker.ref.fsdp.mp_buffer_dtype=bf16", "worker.ref.fsdp.mp_buffer_dtype='bf16': only fp32"),
         ("worker.actor.fsdp.torch_dtype=half", "worker.actor.fsdp.torch_dtype='half' is unknown"),
         ("data.filter_overlong_prompts_workers=0", "data.filter_overlong_prompts_workers=0 must be >= 1"),

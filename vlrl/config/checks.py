@@ -186,13 +186,13 @@ def _check_not_supported_yet(config: PPOConfig) -> list[str]:
         if strategy != "fsdp":
             errors.append(f"{key}={strategy!r}: only fsdp (FSDP2) is supported")
     for section, fsdp in (("worker.actor.fsdp", worker.actor.fsdp), ("worker.ref.fsdp", worker.ref.fsdp)):
-        if 0 < fsdp.fsdp_size < world:
-            errors.append(
-                f"{section}.fsdp_size={fsdp.fsdp_size}: hybrid sharding (groups smaller than the world size "
-                f"{world}) is not supported yet; use -1 to shard over all ranks"
-            )
-        elif fsdp.fsdp_size == 0 or fsdp.fsdp_size < -1:
+        if fsdp.fsdp_size == 0 or fsdp.fsdp_size < -1:
             errors.append(f"{section}.fsdp_size={fsdp.fsdp_size} must be -1 or >= 1")
+        elif fsdp.fsdp_size > 0 and world % fsdp.fsdp_size:
+            errors.append(
+                f"{section}.fsdp_size={fsdp.fsdp_size} must divide the {world} training ranks: the ranks "
+                "form groups of fsdp_size that each hold one sharded copy (hybrid sharding); -1 shards over all"
+            )
         if fsdp.mp_buffer_dtype not in ("fp32", "float32"):
             errors.append(f"{section}.mp_buffer_dtype={fsdp.mp_buffer_dtype!r}: only fp32 is supported")
         for name in ("torch_dtype", "mp_param_dtype", "mp_reduce_dtype"):

@@ -235,8 +235,10 @@ class FSDPConfig(_Section):
     use_orig_params: bool = False
     """Accepted for EasyR1 configs: FSDP2 always keeps the original parameters, whatever the value."""
     fsdp_size: int = -1
-    """Ranks per sharding group; -1 (or the world size): shard over all ranks. Hybrid sharding
-    (a smaller group, replicated across groups) is not supported yet."""
+    """Ranks per sharding group; must divide the training ranks. Smaller than them: hybrid sharding
+    (HSDP), groups of consecutive ranks each hold one sharded copy and average gradients across
+    groups, so weight gathers stay inside a group. -1: the ranks per node with several nodes (when
+    they divide the training ranks), else all ranks (one flat group)."""
 
 
 @dataclass
@@ -686,7 +688,19 @@ class PPOConfig(_Section):
             )
         if self.trainer.device == "auto":
             self.trainer.device = resolve_device(os.environ.get("RAY_ADDRESS"))
+        for fsdp in (actor.fsdp, ref.fsdp):
+            fsdp.fsdp_size = self._default_fsdp_size(fsdp.fsdp_size)
         self._absolute_local_paths()
+
+    def _default_fsdp_size(self, fsdp_size: int) -> int:
+        """`fsdp_size` -1 on several nodes: one sharding group per node (ranks r*n .. r*n+n-1 share a
+        node, vlrl.trainer.ray_workers.rank_placement), so the per-layer all-gathers stay on the node
+        and only gradient all-reduces cross nodes. Flat when a node's ranks do not divide the
+        training ranks (asynchronous mode can leave a node partly training)."""
+        per_node, train = self.trainer.n_gpus_per_node, self.train_world_size
+        if fsdp_size != -1 or self.trainer.nnodes <= 1 or per_node >= train or train % per_node:
+            return fsdp_size
+        return per_node
 
     def _absolute_local_paths(self) -> None:
         """Relative local paths made absolute against the launch folder (the rule:

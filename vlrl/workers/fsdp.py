@@ -1,4 +1,15 @@
-"""FSDP2 sharding of a Hugging Face model over a 1-D device mesh, and moving it between devices.
+"""FSDP2 sharding of a Hugging Face model over a device mesh, and moving it between devices.
+
+Mesh (`worker.actor.fsdp.fsdp_size`, `build_mesh`): by default one 1-D mesh ("fsdp") over all ranks,
+each parameter split into `world` shards. With `fsdp_size = S` smaller than the world W, a 2-D mesh
+[W / S, S] named ("replicate", "shard"): rows are groups of S consecutive ranks (one node each
+when S is the ranks per node, see vlrl.trainer.ray_workers.rank_placement), each row holds one
+full copy split into S shards, and the rows are replicas. FSDP2 reads a 2-D mesh as HSDP
+(torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_init.py `_get_mesh_info`: shard dim 1,
+replicate dim 0; placements `(Replicate(), Shard(0))`): parameter all-gathers and gradient
+reduce-scatters run inside a row, and one extra all-reduce of each reduce-scattered gradient
+shard runs down a column (_fsdp_collectives.py `foreach_reduce`). Both reductions average, so a
+gradient is still the mean over all W ranks (`_get_gradient_divide_factors`).
 
 Units: every module whose class is listed in the model's `_no_split_modules` (decoder layers and
 vision blocks), then the vision tower as a whole (patch embed + merger), then the root (embeddings,
@@ -36,10 +47,28 @@ def world_info() -> tuple[int, int]:
     return 0, 1
 
 
-def build_mesh(device: torch.device) -> DeviceMesh:
-    """A 1-D mesh over all ranks of the default process group (gloo on CPU, NCCL on GPU)."""
+def shard_group_size(fsdp_size: int, world: int) -> int:
+    """Ranks per sharding group: `fsdp_size`, or the whole world for -1 (or the world size)."""
+    if fsdp_size == -1:
+        return world
+    if fsdp_size < 1 or world % fsdp_size:
+        raise ValueError(
+            f"fsdp_size={fsdp_size} (worker.actor.fsdp / worker.ref.fsdp) must be -1 or divide the world size {world} "
+            "(ranks per sharding group; the groups replicate each other)"
+        )
+    return fsdp_size
+
+
+def build_mesh(device: torch.device, fsdp_size: int = -1) -> DeviceMesh:
+    """The FSDP mesh over all ranks of the default process group (gloo on CPU, NCCL on GPU).
+
+    1-D ("fsdp",) [W] when the sharding group is the world, else 2-D ("replicate", "shard")
+    [W / S, S] for hybrid sharding (see the module docstring). Collective: every rank calls it."""
     _, world = world_info()
-    return init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    size = shard_group_size(fsdp_size, world)
+    if size == world:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(device.type, (world // size, size), mesh_dim_names=("replicate", "shard"))
 
 
 def master_dtype(fsdp: FSDPConfig) -> torch.dtype:
@@ -91,7 +120,7 @@ def apply_fsdp(
 
     Parameters move to `device` (kept on CPU between uses with `fsdp.enable_cpu_offload` on GPU).
     """
-    mesh = mesh or build_mesh(device)
+    mesh = mesh or build_mesh(device, fsdp.fsdp_size)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": fsdp.enable_full_shard}
     mp = mixed_precision(fsdp, device)
     if mp is not None:
