@@ -251,12 +251,13 @@ def compute_policy_loss(
     num_seqs: float,
     tau_positive: float = SAPO_TAU_POS,
     tau_negative: float = SAPO_TAU_NEG,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss `name` (`worker.actor.policy_loss`) aggregated with `loss_avg_mode`; all inputs [B, T].
     `tau_positive` / `tau_negative` are SAPO's gate temperatures (used by sapo only).
 
     Returns the scalar loss of this micro-batch (see `aggregate_loss` for num_tokens / num_seqs and
-    the world-size factor) and token-mean metrics over this micro-batch as floats: pg_loss,
+    the world-size factor) and token-mean metrics over this micro-batch as 0-dim fp32 tensors on the
+    inputs' device (no host sync here; `float()` reads one): pg_loss,
     pg_clipfrac_higher, pg_clipfrac_lower, ppo_kl (mean of logp_old - logp, a k1 estimate of
     KL(pi_old || pi)) and entropy_estimate (mean of -logp, a one-sample entropy estimate).
     """
@@ -282,9 +283,10 @@ def compute_policy_loss(
             "ppo_kl": old_log_probs - log_probs,
             "entropy_estimate": -log_probs,
         }
-        # One stack + tolist: a single device sync instead of one per metric.
-        means = torch.stack([masked_mean(v.float(), response_mask) for v in values.values()]).tolist()
-    return loss, dict(zip(values, means))
+        # 0-dim tensors on the loss's device: reading them is the caller's one sync (the actor sums
+        # them over a whole update and reads them once)
+        means = {k: masked_mean(v.float(), response_mask) for k, v in values.items()}
+    return loss, means
 
 
 def compute_kl_loss(

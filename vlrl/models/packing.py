@@ -47,6 +47,9 @@ class Anchor:
     image_grid_thw: Tensor | None = None  # [1, 3]
     pixel_values_videos: Tensor | None = None  # [patches, D] for a dummy video, else None
     video_grid_thw: Tensor | None = None  # [1, 3]
+    # host copies of token_ids / position_ids, made on first use (`_host_anchor`)
+    host_ids: Tensor | None = None
+    host_positions: Tensor | None = None
 
 
 @dataclass
@@ -66,11 +69,30 @@ class ForwardInputs:
 
 
 def scored_positions(attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:
-    """(rows, cols) [M] of response tokens that are real and follow a real token (so have a logit)."""
+    """(rows, cols) [M] of response tokens that are real and follow a real token (so have a logit).
+
+    Data-dependent shape (`nonzero`): call it on a host (CPU) mask, as the input builders do; on a
+    GPU mask it would wait for every queued kernel."""
     valid = attention_mask.bool()
     scored = valid[:, prompt_length:] & valid[:, prompt_length - 1 : -1]  # [N, R]
     rows, cols = scored.nonzero(as_tuple=True)
     return rows, cols
+
+
+def _to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """Copy a finished host tensor to `device` without waiting for the device's queue.
+
+    A blocking host-to-GPU copy synchronizes the stream; a non-blocking one from pageable memory is
+    staged at once, and the source is never written again here (a fresh index or a batch row)."""
+    return t.to(device, non_blocking=True)
+
+
+def _host_anchor(anchor: Anchor) -> tuple[Tensor, Tensor]:
+    """(token_ids [k], position_ids [k] or [3, k]) of `anchor` on the host, copied once per anchor:
+    the input builders index on the host and copy the finished row to the device once."""
+    if anchor.host_ids is None or anchor.host_positions is None:
+        anchor.host_ids, anchor.host_positions = anchor.token_ids.cpu(), anchor.position_ids.cpu()
+    return anchor.host_ids, anchor.host_positions
 
 
 VideoInputs = tuple[Tensor, Tensor, "list[int] | None"]
@@ -144,11 +166,18 @@ def build_packed_inputs(
     sp: SequenceParallel | None = None,
     pad_token_id: int = 0,
     image_token_id: int | None = None,
+    device: torch.device | str | None = None,
 ) -> ForwardInputs:
     """Pack rows [N, L] into one row [1, T]; position_ids [N, L] or [N, 3, L] -> [1, T] or [3, 1, T].
 
+    The rows are host (CPU) tensors: every index (boolean masks, `nonzero`, lengths, the Ulysses
+    split) is built on the host, then the finished tensors go to `device` (None: the rows' device)
+    in one non-blocking copy each, so building the inputs never waits for the GPU. Vision inputs
+    are passed as they are (already on the device).
+
     With `sp`: this rank's slice [1, T'/sp] of the row padded to T' with `pad_token_id` (see
     `_sequence_slice`); `image_token_id` says which image features the slice needs."""
+    dev = device if device is not None else input_ids.device
     n, length = input_ids.shape
     valid = attention_mask.bool()  # [N, L]
     ids = input_ids[valid]  # [T], row-major: sample after sample
@@ -162,15 +191,17 @@ def build_packed_inputs(
     packed_index = (valid.flatten().cumsum(0) - 1).view(n, length)
     keep = packed_index[rows, prompt_length + cols - 1]  # [M]
     if anchor is not None:
+        anchor_ids, anchor_pos = _host_anchor(anchor)
         start = ids.numel()
-        ids = torch.cat([ids, anchor.token_ids.to(ids)])
-        pos = torch.cat([pos, anchor.position_ids.to(pos)], dim=-1)
-        lengths.append(anchor.token_ids.numel())
-        keep = torch.cat([keep, torch.tensor([start + anchor.token_ids.numel() - 1], device=keep.device)])
+        ids = torch.cat([ids, anchor_ids.to(ids)])
+        pos = torch.cat([pos, anchor_pos.to(pos)], dim=-1)
+        lengths.append(anchor_ids.numel())
+        keep = torch.cat([keep, torch.tensor([start + anchor_ids.numel() - 1], dtype=keep.dtype)])
     vision = _vision_kwargs(pixel_values, image_grid_thw, anchor, image_index, videos)
-    targets = input_ids[rows, prompt_length + cols]
+    targets = input_ids[rows, prompt_length + cols]  # [M]
+    rows_d, cols_d, targets_d = (_to_device(t, dev) for t in (rows, cols, targets))
     inputs = ForwardInputs(
-        {}, rows, cols, targets, n, length - prompt_length, anchor is not None, padded=False
+        {}, rows_d, cols_d, targets_d, n, length - prompt_length, anchor is not None, padded=False
     )
     if sp is not None:
         ids, pos, lengths = _pad_row(ids, pos, lengths, sp.size, pad_token_id)
@@ -181,11 +212,13 @@ def build_packed_inputs(
             vision[IMAGE_ROWS_KWARG] = _image_rows(ids, sp, image_token_id)
         ids, pos, keep, inputs.sp_counts = _sequence_slice(ids, pos, keep, rows.numel(), sp)
         inputs.sp = sp
+    varlen = make_varlen_info(lengths, "cpu", attention_backend, sp)  # cu_seqlens [S + 1] on the host
+    varlen.cu_seqlens = _to_device(varlen.cu_seqlens, dev)
     inputs.model_kwargs = {
-        "input_ids": ids.unsqueeze(0),
-        "position_ids": pos.unsqueeze(-2),  # [1, T] or [3, 1, T]
-        "logits_to_keep": keep,
-        "vlrl_varlen": make_varlen_info(lengths, ids.device, attention_backend, sp),
+        "input_ids": _to_device(ids, dev).unsqueeze(0),
+        "position_ids": _to_device(pos, dev).unsqueeze(-2),  # [1, T] or [3, 1, T]
+        "logits_to_keep": _to_device(keep, dev),
+        "vlrl_varlen": varlen,
         **vision,
     }
     return inputs
@@ -240,34 +273,41 @@ def build_padded_inputs(
     image_index: list[int] | None = None,
     anchor: Anchor | None = None,
     videos: VideoInputs | None = None,
+    device: torch.device | str | None = None,
 ) -> ForwardInputs:
-    """Rows as they are; the anchor becomes one more row, its tokens at the end (left-padded)."""
+    """Rows as they are; the anchor becomes one more row, its tokens at the end (left-padded).
+
+    As in `build_packed_inputs`, the rows are host tensors, indexed on the host, and the finished
+    tensors go to `device` (None: the rows' device) once, without waiting for the GPU."""
+    dev = device if device is not None else input_ids.device
     n, length = input_ids.shape
     response_length = length - prompt_length
+    rows, cols = scored_positions(attention_mask, prompt_length)  # [M] each, the real rows only
+    targets = input_ids[rows, prompt_length + cols]  # [M]
     if anchor is not None:
-        k = anchor.token_ids.numel()
-        row = torch.zeros(1, length, dtype=input_ids.dtype, device=input_ids.device)
-        row[0, length - k :] = anchor.token_ids
-        mask_row = torch.zeros(1, length, dtype=attention_mask.dtype, device=attention_mask.device)
+        anchor_ids, anchor_pos = _host_anchor(anchor)
+        k = anchor_ids.numel()
+        row = torch.zeros(1, length, dtype=input_ids.dtype)
+        row[0, length - k :] = anchor_ids
+        mask_row = torch.zeros(1, length, dtype=attention_mask.dtype)
         mask_row[0, length - k :] = 1
-        pos_row = torch.zeros(
-            (1, *position_ids.shape[1:]), dtype=position_ids.dtype, device=position_ids.device
-        )
-        pos_row[..., length - k :] = anchor.position_ids.to(pos_row)
-        input_ids = torch.cat([input_ids, row])
-        attention_mask = torch.cat([attention_mask, mask_row])
-        position_ids = torch.cat([position_ids, pos_row])
+        pos_row = torch.zeros((1, *position_ids.shape[1:]), dtype=position_ids.dtype)
+        pos_row[..., length - k :] = anchor_pos.to(pos_row)
+        input_ids = torch.cat([input_ids, row.to(input_ids)])
+        attention_mask = torch.cat([attention_mask, mask_row.to(attention_mask)])
+        position_ids = torch.cat([position_ids, pos_row.to(position_ids)])
     pos = position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids  # [3, N, L] for mrope
-    rows, cols = scored_positions(attention_mask[:n], prompt_length)
     kwargs: dict[str, Any] = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": pos,
+        "input_ids": _to_device(input_ids, dev),
+        "attention_mask": _to_device(attention_mask, dev),
+        "position_ids": _to_device(pos, dev),
         "logits_to_keep": response_length + 1,  # positions P-1 .. L-1; the last one is dropped
         **_vision_kwargs(pixel_values, image_grid_thw, anchor, image_index, videos),
     }
-    targets = input_ids[rows, prompt_length + cols]
-    return ForwardInputs(kwargs, rows, cols, targets, n, response_length, anchor is not None, padded=True)
+    rows_d, cols_d, targets_d = (_to_device(t, dev) for t in (rows, cols, targets))
+    return ForwardInputs(
+        kwargs, rows_d, cols_d, targets_d, n, response_length, anchor is not None, padded=True
+    )
 
 
 def _score_chunk(

@@ -69,28 +69,41 @@ LOSS_METRICS = ("pg_loss", "kl_loss")
 
 
 class _UpdateStats:
-    """Sums that become the update's metrics (reduced over ranks once, at the end)."""
+    """Sums that become the update's metrics (read from the device and reduced over ranks once, at the end).
+
+    The micro-batch loop only adds device tensors (`add_micro`): reading a number there would wait
+    for every queued kernel, once per micro-batch."""
+
+    # columns of `sums`: token-mean metric x local tokens, then the local tokens, then this rank's
+    # share of each mini-batch loss
+    COLUMNS = (*TOKEN_METRICS, "tokens", *LOSS_METRICS)
 
     def __init__(self, with_kl_loss: bool) -> None:
         self.with_kl_loss = with_kl_loss  # actor/kl_loss is logged only when there is one
-        self.token_sums = dict.fromkeys(TOKEN_METRICS, 0.0)  # token-mean x local tokens
-        self.tokens = 0.0
-        self.losses = dict.fromkeys(LOSS_METRICS, 0.0)  # this rank's share of each mini-batch loss
+        self.sums: Tensor | None = None  # [len(COLUMNS)] float64 on the model's device
         self.grad_norms: list[float] = []
         self.lrs: list[float] = []
         self.steps = 0
         self.skipped = 0
         self.no_advantage = 0
 
-    def add_micro(self, metrics: dict[str, float], entropy: float, tokens: int, pg: float, kl: float) -> None:
-        for name in TOKEN_METRICS:
-            self.token_sums[name] += (entropy if name == "entropy" else metrics[name]) * tokens
-        self.tokens += tokens
-        self.losses["pg_loss"] += pg
-        self.losses["kl_loss"] += kl
+    def add_micro(
+        self, metrics: dict[str, Tensor], entropy_sum: Tensor, tokens: Tensor, pg: Tensor, kl: Tensor
+    ) -> None:
+        """Add one micro-batch: `metrics` token means (0-dim), the entropy summed over its tokens,
+        its token count and its losses (all 0-dim device tensors; nothing is read here)."""
+        token_sums = [entropy_sum if name == "entropy" else metrics[name] * tokens for name in TOKEN_METRICS]
+        row = torch.stack([*token_sums, tokens, pg, kl]).detach().to(torch.float64)  # [len(COLUMNS)]
+        self.sums = row if self.sums is None else self.sums + row
+
+    def local_sums(self) -> list[float]:
+        """This rank's sums as floats: the update's one read of its metrics from the device."""
+        if self.sums is None:
+            return [0.0] * len(self.COLUMNS)
+        return self.sums.tolist()
 
     def finish(self, reduce) -> dict[str, float]:
-        sums = reduce([*self.token_sums.values(), self.tokens, *self.losses.values()])
+        sums = reduce(self.local_sums())
         tokens = max(sums[len(TOKEN_METRICS)], 1.0)
         out = {f"actor/{k}": v / tokens for k, v in zip(TOKEN_METRICS, sums)}
         for k, v in zip(LOSS_METRICS, sums[len(TOKEN_METRICS) + 1 :]):
@@ -105,6 +118,12 @@ class _UpdateStats:
         out["actor/skipped_steps"] = float(self.skipped)
         out["actor/no_advantage_steps"] = float(self.no_advantage)
         return out
+
+
+def _on(host: Tensor, device: torch.device) -> Tensor:
+    """A host batch tensor on `device`, copied without waiting for the device's queue (a blocking
+    host-to-GPU copy synchronizes the stream; the host tensor is a fresh `select` of the batch)."""
+    return host.to(device, non_blocking=True)
 
 
 def manual_offload(cfg: ActorConfig, device: torch.device) -> tuple[bool, bool]:
@@ -231,7 +250,7 @@ class Actor:
                 mini = batch.select(rows)
                 log_probs = self.forward_backward(mini, stats, image_anchor, own_old)
                 if own_old and rows and computed_old is not None:
-                    computed_old[rows] = log_probs
+                    computed_old[rows] = log_probs.cpu()  # the mini-batch's one copy to the host
                 if self.cfg.skip_steps_without_advantage and not self._has_advantage(mini):
                     self.skip_step(stats)
                 else:
@@ -267,11 +286,16 @@ class Actor:
     ) -> torch.Tensor:
         """Accumulate the gradient of one mini-batch's loss (summed over ranks) into `.grad`.
 
-        Returns the log-probs [len(mini), R] it computed (detached, CPU). `own_old`: they are also
-        the old log-probs (the ratio is exactly 1; `mini.old_log_probs` is not read)."""
+        Returns the log-probs [len(mini), R] it computed (detached, on the model's device: copying
+        them to the host is the caller's choice). `own_old`: they are also the old log-probs (the
+        ratio is exactly 1; `mini.old_log_probs` is not read).
+
+        The micro-batch loop reads nothing from the device: the inputs are indexed on the host
+        (vlrl.models.packing), host rows go to the device with non-blocking copies, and the metrics
+        stay device tensors in `stats`. The token totals come from the host mask."""
         cfg, algo, model = self.cfg, self.algorithm, self.model
         dev, sp = model.device, model.spec.ulysses_size
-        computed = torch.zeros(mini.responses.shape, dtype=torch.float32)
+        computed = torch.zeros(mini.responses.shape, dtype=torch.float32, device=dev)
         # a Ulysses group's ranks hold the same rows: count them once
         num_tokens, num_seqs = (
             x / sp for x in model.all_reduce(list(count_tokens_and_seqs(mini.response_mask)))
@@ -286,15 +310,15 @@ class Actor:
             out = model.forward_micro_batch(
                 mb, self.temperature, image_anchor, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0
             )
-            mask = mb.response_mask.to(dev)
+            mask = _on(mb.response_mask, dev)  # [n, R]
             if rows:
-                computed[rows] = out.log_probs.detach().cpu()
-            old = out.log_probs.detach() if own_old else mb.tensor("old_log_probs").to(dev)
+                computed[_on(torch.tensor(rows), dev)] = out.log_probs.detach()
+            old = out.log_probs.detach() if own_old else _on(mb.tensor("old_log_probs"), dev)
             pg, metrics = compute_policy_loss(
                 cfg.policy_loss,
                 old,
                 out.log_probs,
-                mb.tensor("advantages").to(dev),
+                _on(mb.tensor("advantages"), dev),
                 mask,
                 clip_ratio_low=cfg.clip_ratio_low,
                 clip_ratio_high=cfg.clip_ratio_high,
@@ -306,7 +330,7 @@ class Actor:
             loss, kl = pg, torch.zeros((), device=dev)
             if algo.use_kl_loss:
                 kl = compute_kl_loss(
-                    out.log_probs, mb.tensor("ref_log_probs").to(dev), mask, algo.kl_penalty, **agg
+                    out.log_probs, _on(mb.tensor("ref_log_probs"), dev), mask, algo.kl_penalty, **agg
                 )
                 loss = loss + algo.kl_coef * kl
             entropy_all = out.entropy
@@ -318,10 +342,10 @@ class Actor:
             # x groups: FSDP averages the ranks' gradients, we want the sum over the data-parallel
             # groups (with sp = 1 the world size; see the module docstring for sp > 1)
             ((loss + out.anchor) * model.dp_size).backward()
-            tokens = int(mask.sum())
-            entropy = float((entropy_all.detach() * mask).sum() / max(tokens, 1))
+            valid = mask > 0
+            entropy_sum = torch.where(valid, entropy_all.detach(), 0.0).sum()
             # the group's ranks each add the same loss: count it once
-            stats.add_micro(metrics, entropy, tokens, float(pg.detach()) / sp, float(kl.detach()) / sp)
+            stats.add_micro(metrics, entropy_sum, valid.sum(), pg.detach() / sp, kl.detach() / sp)
         return computed
 
     def optimizer_step(self, stats: _UpdateStats) -> None:

@@ -260,18 +260,25 @@ class ShardedModel:
         if self.vision is not None:
             # the vision tower encodes each distinct image / video once (vlrl.models.shared_images)
             pv, grid, index = self.vision.collate_shared(mb.images)
-            pv, grid = (pv.to(dev), grid.to(dev)) if pv is not None and grid is not None else (None, None)
+            # non-blocking: a blocking host-to-GPU copy waits for the queued kernels
+            pv, grid = (
+                (pv.to(dev, non_blocking=True), grid.to(dev, non_blocking=True))
+                if pv is not None and grid is not None
+                else (None, None)
+            )
             vpv, vgrid, vindex = self.vision.collate_shared_videos(mb.videos or [])
             if vpv is not None and vgrid is not None:
-                videos = (vpv.to(dev), vgrid.to(dev), vindex)
+                videos = (vpv.to(dev, non_blocking=True), vgrid.to(dev, non_blocking=True), vindex)
         anchor = None
         need = (media[0] and pv is None, media[1] and videos is None)
         if any(need):
             anchor = self.vision_anchors[need]
         elif len(mb) == 0:
             anchor = self.text_anchor
-        args = (mb.input_ids.to(dev), mb.attention_mask.to(dev), mb.position_ids.to(dev), mb.prompt_length)
+        # host rows: the builders index on the host and copy the finished tensors to `dev` once
+        args = (mb.input_ids, mb.attention_mask, mb.position_ids, mb.prompt_length)
         kwargs: dict[str, Any] = {
+            "device": dev,
             "pixel_values": pv,
             "image_grid_thw": grid,
             "image_index": index,
