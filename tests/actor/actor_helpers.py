@@ -172,18 +172,36 @@ def init_gloo(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
 
 
+def forked_child_can_backward() -> bool:
+    """Whether a child forked now can run autograd. Once this process has run any backward, torch
+    marks every later fork child as unable to ("Unable to handle autograd's threading in combination
+    with fork-based multiprocessing": torch/csrc/autograd/engine.cpp, `track_bad_autograd_forks`),
+    and nothing public says so: a forked probe that runs one tiny backward tells (a few ms)."""
+    pid = os.fork()
+    if pid == 0:  # the probe: exit 0 when a backward works here
+        code = 1
+        try:
+            torch.ones(1, requires_grad=True).sum().backward()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
 def launch(fn: Callable[..., None], world_size: int, *args: Any) -> None:
     """Run `fn(rank, world_size, port, *args)` in `world_size` processes and wait for them.
 
-    Forks when it is safe (Linux, no process group or CUDA in this process): the children inherit
-    the imported modules, which saves ~15 s of imports per rank on these CPUs. Otherwise spawns.
+    Forks when it is safe (Linux, no process group or CUDA in this process, and a forked child can
+    still run a backward): the children inherit the imported modules, which saves ~15 s of imports
+    per rank on these CPUs. Otherwise spawns.
     """
     import sys
 
     import torch.multiprocessing as mp
 
     safe = sys.platform == "linux" and not dist.is_initialized() and not torch.cuda.is_initialized()
-    method = "fork" if safe else "spawn"
+    method = "fork" if safe and forked_child_can_backward() else "spawn"
     mp.start_processes(fn, args=(world_size, free_port(), *args), nprocs=world_size, start_method=method)
 
 
