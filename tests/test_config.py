@@ -88,7 +88,7 @@ def test_bad_keys_and_types(base: list[str], override: str, message: str) -> Non
         (["data.rollout_batch_size=6"], "data.rollout_batch_size=6 must be divisible by worker.actor.global_batch_size=4"),
         (["worker.actor.global_batch_size=1", "data.rollout_batch_size=1", "worker.rollout.n=3"],
          r"worker.actor.global_batch_size=1 x worker.rollout.n=3 must be divisible by the world size 2"),
-        (["worker.actor.micro_batch_size_per_device_for_update=3"],
+        (["worker.actor.dynamic_batching=false", "worker.actor.micro_batch_size_per_device_for_update=3"],
          "each rank gets 8 samples per optimizer step .* divisible by worker.actor.micro_batch_size_per_device_for_update=3"),
         (["worker.rollout.n=1", "worker.actor.global_batch_size=2", "data.rollout_batch_size=4",
           "worker.actor.micro_batch_size_per_device_for_update=1"],

@@ -13,7 +13,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vlrl.config import PPOConfig
+    from vlrl.config import ActorConfig, PPOConfig
 
 KNOWN_LOGGERS = ("console", "file", "wandb", "tensorboard", "swanlab", "mlflow")
 # logger -> the package it needs (checked at start-up, not at the first log call)
@@ -93,6 +93,24 @@ def _check_lora(config: PPOConfig) -> list[str]:
     return errors
 
 
+def _check_token_budget(actor: ActorConfig) -> list[str]:
+    """`max_token_len_per_device` is positive, and only set where dynamic batching uses it."""
+    budget = actor.max_token_len_per_device
+    if budget is None:
+        return []
+    if budget < 1:
+        return [
+            f"worker.actor.max_token_len_per_device={budget} must be >= 1 (or null: micro-batch size x width)"
+        ]
+    if not actor.dynamic_batching:
+        return [
+            f"worker.actor.max_token_len_per_device={budget} is a dynamic-batching budget, but "
+            "worker.actor.dynamic_batching=false forms micro-batches by sample count: set dynamic_batching=true "
+            "or drop the budget"
+        ]
+    return []
+
+
 def _check_batch_sizes(config: PPOConfig) -> list[str]:
     data, actor, n, world = config.data, config.worker.actor, config.worker.rollout.n, config.train_world_size
     errors = []
@@ -112,6 +130,7 @@ def _check_batch_sizes(config: PPOConfig) -> list[str]:
             errors.append(f"{key}={value} must be >= 1")
     if not data.video_fps > 0:
         errors.append(f"data.video_fps={data.video_fps} must be > 0 (frames per second sampled from videos)")
+    errors += _check_token_budget(actor)
     if errors:
         return errors
     if data.rollout_batch_size % actor.global_batch_size:

@@ -43,11 +43,6 @@ DELIBERATE_DEFAULTS: dict[str, tuple[Any, str]] = {
         "running Python code shipped in a downloaded model folder should be an explicit choice "
         "(Qwen-VL models need none)",
     ),
-    "worker.actor.dynamic_batching": (
-        True,
-        "fixed micro-batches keep memory per micro-batch predictable on small machines; turn it on for long, "
-        "uneven responses",
-    ),
     "worker.rollout.tensor_parallel_size": (
         2,
         "one rank per engine runs on any machine, including one GPU or CPU",

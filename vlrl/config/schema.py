@@ -256,9 +256,12 @@ class ActorConfig(_Section):
     global_batch_size: int = 256
     """Prompts per optimizer step (mini-batch), across all ranks; each prompt brings n samples."""
     micro_batch_size_per_device_for_update: int = 4
-    """Samples per forward/backward in the update (per rank)."""
+    """Samples per forward/backward in the update (per rank). With dynamic batching (the default)
+    and no `max_token_len_per_device`, it sets the update's token budget: this many rows of the
+    batch's padded width."""
     micro_batch_size_per_device_for_experience: int = 16
-    """Samples per forward when computing old/ref log-probs (per rank)."""
+    """Samples per forward when computing old/ref log-probs (per rank); with dynamic batching and no
+    `max_token_len_per_device`, the log-prob passes' token budget in rows of the padded width."""
     max_grad_norm: float = 1.0
     """Gradient-norm clipping threshold."""
     clip_ratio_low: float = 0.2
@@ -280,12 +283,21 @@ class ActorConfig(_Section):
     """Passes over each step's data."""
     padding_free: bool = True
     """Pack sequences without padding in the actor's forward passes."""
-    dynamic_batching: bool = False
-    """Form micro-batches by a token budget (`max_token_len_per_device`) instead of a sample count."""
+    dynamic_batching: bool = True
+    """Form micro-batches by a token budget (`max_token_len_per_device`) instead of a sample count,
+    in the update and both log-prob passes (actor, reference), as EasyR1 does by default. Rows are
+    packed deterministically (longest first, token-balanced, the same count on every rank); the
+    loss is still normalized per mini-batch, so only the summation order differs from fixed
+    micro-batches. false: `micro_batch_size_per_device_for_*` rows per micro-batch."""
     max_token_len_per_device: int | None = None
-    """Token budget per micro-batch with dynamic batching; None: the micro-batch size times the
-    longest sequence of the batch being split (EasyR1's rule). Per device: with ulysses_size > 1 a
-    micro-batch holds up to ulysses_size times as many tokens."""
+    """Token budget per micro-batch with dynamic batching (real tokens when padding_free, else the
+    padded width per row); a longer row gets a micro-batch of its own. None: the micro-batch size
+    (`micro_batch_size_per_device_for_update` in the update, `..._for_experience` in the log-prob
+    passes) times the widest row of the batch being split (EasyR1's rule): a micro-batch then never
+    holds more tokens than a fixed micro-batch of that many padded rows, so peak activation memory
+    stays what the micro-batch size was tuned for, while short responses share a forward. Per
+    device: with ulysses_size > 1 a micro-batch holds up to ulysses_size times as many tokens.
+    Setting it with dynamic_batching=false fails at start-up (it would be ignored)."""
     ulysses_size: int = 1
     """Ulysses sequence parallelism: groups of this many ranks get the same rows and each runs 1/size
     of every packed micro-batch's tokens (attention exchanges heads for tokens with all-to-alls), so
