@@ -8,10 +8,12 @@ A `RolloutBatch` row is [prompt (left-padded) | response (right-padded)], L = P 
   per sample, 1-D or 3-D mrope) so they restart per sequence; `VarlenInfo` tells our attention
   function (vlrl.models.attention) where each sequence starts, which keeps them independent.
 
-Either way only the logits that score response tokens are computed (`logits_to_keep` holds their
-positions), so the lm-head never runs over prompt tokens. An optional extra "anchor" sequence (a
-dummy image or one text token) can be appended: its logit enters the loss times zero, so every
-rank runs the same FSDP collectives even with no images / no samples (see vlrl.workers.vision).
+Either way only the positions that score response tokens are kept (`logits_to_keep` holds them),
+so the lm-head never runs over prompt tokens. The model returns their final hidden states and the
+lm head runs on a chunk of them at a time (vlrl.models.lm_head, `score_tokens`): no [M, V] logits.
+An optional extra "anchor" sequence (a dummy image or one text token) can be appended: its output
+enters the loss times zero, so every rank runs the same FSDP collectives even with no images / no
+samples (see vlrl.workers.vision).
 
 With Ulysses sequence parallelism (`sp`, vlrl.models.ulysses) every rank of the group builds the
 same packed row, padded to a multiple of sp with a separate sequence of pad tokens, and keeps its
@@ -26,15 +28,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vlrl.models.attention import make_varlen_info
+from vlrl.models.lm_head import output_head, passthrough_head
 from vlrl.models.sampling import SamplingDistribution
 from vlrl.models.shared_images import IMAGE_INDEX_KWARG, IMAGE_ROWS_KWARG, VIDEO_INDEX_KWARG
 from vlrl.models.ulysses import SequenceParallel, gather_tokens, token_bounds
 
-LOGIT_CHUNK = 2048  # rows of logits upcast to fp32 at a time: bounds the [M, V] fp32 temporaries
+# Scored tokens per chunk of the lm head and the scoring (`score_tokens`). A chunk materializes its
+# logits [LOGIT_CHUNK, V] in the model dtype and ~3 fp32 temporaries of that size (the scores z, the
+# softmax and its product with z): at V = 152k, 0.6 GB of bf16 logits and 1.2 GB per fp32 copy,
+# whatever the number of tokens. Smaller chunks save memory but run more, thinner matmuls.
+LOGIT_CHUNK = 2048
 
 
 @dataclass
@@ -326,7 +333,10 @@ _compiled_score_chunk: Any = None
 
 
 def chunk_scorer(compiled: bool) -> Any:
-    """`_score_chunk`, or its torch.compile'd version (built once; `worker.actor.use_torch_compile`)."""
+    """`_score_chunk`, or its torch.compile'd version (built once; `worker.actor.use_torch_compile`).
+
+    It takes a chunk's logits: the lm head runs eagerly before it (`_chunk_logits`), outside the
+    compiled graph, so the compiled function never traces a (sharded, adapted) module."""
     global _compiled_score_chunk
     if not compiled:
         return _score_chunk
@@ -335,33 +345,94 @@ def chunk_scorer(compiled: bool) -> Any:
     return _compiled_score_chunk
 
 
+def _chunk_logits(hidden: Tensor, head: nn.Module | None) -> Tensor:
+    """head(hidden) [m, V] in the model dtype; `hidden` as is when it already holds logits."""
+    return hidden if head is None else head(hidden)
+
+
+def _head_and_score(
+    hidden: Tensor,
+    targets: Tensor,
+    head: nn.Module | None,
+    sampling: SamplingDistribution,
+    with_entropy: bool,
+    score: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """The checkpointed chunk function: lm head, then log-probs [m] (and entropy [m])."""
+    return score(_chunk_logits(hidden, head), targets, sampling, with_entropy)
+
+
+def _head_and_log_probs(
+    hidden: Tensor, targets: Tensor, head: nn.Module | None, sampling: SamplingDistribution, score: Any
+) -> tuple[Tensor, Tensor]:
+    """The checkpointed chunk function without entropy: (log-probs [m], the chunk's logits [m, V]).
+
+    The logits are returned (not saved: they die with the caller's reference) for a no-grad entropy
+    taken outside the checkpoint, which the backward's recomputation therefore never repeats."""
+    logits = _chunk_logits(hidden, head)
+    log_probs, _ = score(logits, targets, sampling, False)
+    return log_probs, logits
+
+
+def _score_rows(
+    hidden: Tensor,
+    targets: Tensor,
+    head: nn.Module | None,
+    sampling: SamplingDistribution,
+    score: Any,
+    with_entropy: bool,
+    entropy_grad: bool,
+    grad: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs [m] (and entropy [m]) of one chunk of rows; checkpointed when `grad`."""
+    if not grad:
+        return score(_chunk_logits(hidden, head), targets, sampling, with_entropy)
+    if entropy_grad or not with_entropy:
+        args = (hidden, targets, head, sampling, with_entropy, score)
+        return checkpoint(_head_and_score, *args, use_reentrant=False)
+    args_lp = (hidden, targets, head, sampling, score)
+    log_probs, logits = checkpoint(_head_and_log_probs, *args_lp, use_reentrant=False)
+    with torch.no_grad():  # a metric: computed once here, never in backward
+        _, entropy = score(logits.detach(), targets, sampling, True)
+    return log_probs, entropy
+
+
+def _needs_grad(hidden: Tensor, head: nn.Module | None) -> bool:
+    """Whether a backward can reach the hidden states or the head's parameters."""
+    if not torch.is_grad_enabled():
+        return False
+    head_grad = head is not None and any(p.requires_grad for p in head.parameters())
+    return hidden.requires_grad or head_grad
+
+
 def score_tokens(
-    logits: Tensor,
+    hidden: Tensor,
     targets: Tensor,
     sampling: SamplingDistribution,
     with_entropy: bool = False,
     entropy_grad: bool = False,
     compiled: bool = False,
+    head: nn.Module | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-probs [M] (and entropies [M]) of `targets` under `sampling` applied to logits [M, V].
+    """Log-probs [M] (and entropies [M]) of `targets` under `sampling` applied to the logits.
 
-    Works in chunks of LOGIT_CHUNK rows. With autograd, each chunk is checkpointed: only the
-    (already live) logits are saved and the chunk's fp32 temporaries are recomputed in backward,
-    so peak extra memory is one chunk's [LOGIT_CHUNK, V] fp32 copies, whatever M is. The entropy
-    carries gradients only with `entropy_grad` (an entropy bonus in the loss).
+    `hidden`: final hidden states [M, H] and `head` the model's lm head, or logits [M, V] and no
+    head. Works in chunks of LOGIT_CHUNK rows. With autograd, the head and the scoring of a chunk
+    run in one checkpointed function: only `hidden` (already live) is kept for backward, and the
+    chunk's logits and fp32 temporaries are recomputed there, so peak extra memory is one chunk's
+    [LOGIT_CHUNK, V] tensors, whatever M is. The entropy carries gradients only with
+    `entropy_grad` (an entropy bonus in the loss); without, it is a metric taken without autograd
+    in the forward and never recomputed.
     """
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    score_chunk = chunk_scorer(compiled)
+    grad = _needs_grad(hidden, head)
+    score = chunk_scorer(compiled)
     log_probs, entropies = [], []
-    for chunk, tgt in zip(logits.split(LOGIT_CHUNK), targets.split(LOGIT_CHUNK)):
-        if grad:
-            lp, ent = checkpoint(score_chunk, chunk, tgt, sampling, with_entropy, use_reentrant=False)
-        else:
-            lp, ent = score_chunk(chunk, tgt, sampling, with_entropy)
+    for chunk, tgt in zip(hidden.split(LOGIT_CHUNK), targets.split(LOGIT_CHUNK)):
+        lp, ent = _score_rows(chunk, tgt, head, sampling, score, with_entropy, entropy_grad, grad)
         log_probs.append(lp)
         if ent is not None:
             entropies.append(ent if entropy_grad else ent.detach())
-    empty = logits.new_zeros(0, dtype=torch.float32)
+    empty = hidden.new_zeros(0, dtype=torch.float32)
     log_prob = torch.cat(log_probs) if log_probs else empty
     entropy = (torch.cat(entropies) if entropies else empty) if with_entropy else None
     return log_prob, entropy
@@ -374,8 +445,24 @@ class LogProbOutput:
     anchor: Tensor  # [] zero-valued scalar tied to every output (add it to the loss)
 
 
+def _model_outputs(model: nn.Module, inputs: ForwardInputs) -> tuple[Tensor, nn.Module | None]:
+    """(final hidden states of the kept positions [.., K, H], the lm head), or (logits [.., K, V],
+    None) for a model without output embeddings. See vlrl.models.lm_head."""
+    head = output_head(model)
+    if head is None:
+        return model(**inputs.model_kwargs, use_cache=False).logits, None
+    with passthrough_head(head) as calls:
+        hidden = model(**inputs.model_kwargs, use_cache=False).logits
+    if calls[0] != 1:
+        raise RuntimeError(
+            f"{type(model).__name__}'s forward called its lm head {calls[0]} times instead of once: "
+            "its logits cannot be computed per chunk of tokens"
+        )
+    return hidden, head
+
+
 def forward_log_probs(
-    model: torch.nn.Module,
+    model: nn.Module,
     inputs: ForwardInputs,
     sampling: SamplingDistribution = SamplingDistribution(),
     with_entropy: bool = False,
@@ -385,36 +472,43 @@ def forward_log_probs(
     """Run `model` on `inputs` and return the response log-probs (and entropy) as [N, R].
 
     Both are taken on `sampling`, the distribution the engine sampled from (vlrl.models.sampling).
-    The entropy carries gradients only with `entropy_grad` (an entropy bonus in the loss).
+    The entropy carries gradients only with `entropy_grad` (an entropy bonus in the loss). The
+    model returns hidden states and its lm head runs per chunk of scored tokens (`score_tokens`).
     """
-    logits = model(**inputs.model_kwargs, use_cache=False).logits
+    out, head = _model_outputs(model, inputs)  # hidden states (logits without a head), last dim H (V)
     sp, counts = inputs.sp, inputs.sp_counts or []
-    if inputs.padded:  # [N(+1), R+1, V]: column j scores response column j
-        scored = logits[inputs.rows, inputs.cols]  # [M, V]
-        extra = logits[inputs.num_rows :, -1] if inputs.has_anchor else logits[:0, 0]
-    else:  # [1, M(+1), V]; with sp only this rank's slice of them
+    if inputs.padded:  # [N(+1), R+1, H]: column j scores response column j
+        scored = out[inputs.rows, inputs.cols]  # [M, H]
+        extra = out[inputs.num_rows :, -1] if inputs.has_anchor else out[:0, 0]
+    else:  # [1, M(+1), H]; with sp only this rank's slice of them
         m = inputs.rows.numel() if sp is None else counts[sp.rank]
-        scored, extra = logits[0, :m], logits[0, m:]
+        scored, extra = out[0, :m], out[0, m:]
     targets = inputs.targets
     if sp is not None:
         first = sum(counts[: sp.rank])
         targets = targets[first : first + m]
         # every rank's whole slice stays in the graph, even one with nothing scored: its backward
         # must run the same collectives (all-to-alls, FSDP) as the other ranks'
-        extra = logits[0]
-    # Zero times the anchor's logits keeps it in the autograd graph (an empty micro-batch always has
-    # an anchor, or an empty slice of the logits). Reduced in fp32 inside the kernel: an fp32 copy
-    # would cost 4 bytes per logit (~5 GB at 8k tokens x 152k vocab).
+        extra = out[0]
+    # Zero times the anchor's outputs keeps it in the autograd graph (an empty micro-batch always has
+    # an anchor, or an empty slice). Reduced in fp32 inside the kernel (no fp32 copy).
     anchor = 0.0 * extra.sum(dtype=torch.float32)
-    log_prob, entropy_flat = score_tokens(scored, targets, sampling, with_entropy, entropy_grad, compiled)
+    if head is not None:
+        # The head over at most one of those rows ([<= 1, V]): every rank's head weight gets a
+        # gradient (zero when the row is empty) in every backward, whatever was scored, so the
+        # ranks' FSDP reduce-scatters match (vlrl.models.lm_head).
+        anchor = anchor + 0.0 * head(extra[:1]).sum(dtype=torch.float32)
+    log_prob, entropy_flat = score_tokens(
+        scored, targets, sampling, with_entropy, entropy_grad, compiled, head
+    )
     if sp is not None:  # every rank of the group gets all M, in packed order
         log_prob = gather_tokens(log_prob, counts, sp)
         if entropy_flat is not None:
             entropy_flat = gather_tokens(entropy_flat, counts, sp)
     shape = (inputs.num_rows, inputs.response_length)
     index = (inputs.rows, inputs.cols)
-    log_probs = torch.zeros(shape, dtype=torch.float32, device=logits.device).index_put(index, log_prob)
+    log_probs = torch.zeros(shape, dtype=torch.float32, device=out.device).index_put(index, log_prob)
     entropy = None
     if entropy_flat is not None:
-        entropy = torch.zeros(shape, dtype=torch.float32, device=logits.device).index_put(index, entropy_flat)
+        entropy = torch.zeros(shape, dtype=torch.float32, device=out.device).index_put(index, entropy_flat)
     return LogProbOutput(log_probs, entropy, anchor)
