@@ -34,6 +34,7 @@ def check_config(config: PPOConfig) -> list[str]:
         _check_multi_turn,
         _check_trainer,
         _check_numbers,
+        _check_gradient_checkpointing,
         _check_paths,
     ):
         errors.extend(check(config))
@@ -495,6 +496,28 @@ def _check_trainer(config: PPOConfig) -> list[str]:
 # vLLM's cap on samples per prompt (vllm 0.32, vllm/sampling_params.py `_verify_num_sequences`; the
 # default of vllm/envs.py), read here without importing vLLM.
 VLLM_MAX_N_DEFAULT = 16384
+
+
+def gradient_checkpointing_interval(policy: str) -> int:
+    """K of a `worker.actor.model.gradient_checkpointing_layers` policy: every K-th layer is
+    checkpointed ("all" is K = 1). ValueError for anything else."""
+    if policy == "all":
+        return 1
+    match = re.fullmatch(r"every_k:(\d+)", policy.strip()) if isinstance(policy, str) else None
+    if match is None or int(match.group(1)) < 1:
+        raise ValueError(f'{policy!r} must be "all" or "every_k:K" with an integer K >= 1')
+    return int(match.group(1))
+
+
+def _check_gradient_checkpointing(config: PPOConfig) -> list[str]:
+    """worker.actor.model.gradient_checkpointing_layers parses (checked even while checkpointing is
+    off, so turning it on later cannot fail)."""
+    policy = config.worker.actor.model.gradient_checkpointing_layers
+    try:
+        gradient_checkpointing_interval(policy)
+    except ValueError as exc:
+        return [f"worker.actor.model.gradient_checkpointing_layers={exc}"]
+    return []
 
 
 def _check_numbers(config: PPOConfig) -> list[str]:

@@ -185,7 +185,13 @@ class ModelConfig(_Section):
     override_config: dict[str, Any] = field(default_factory=dict)
     """Entries that override the model's config.json (e.g. {"attention_dropout": 0.0})."""
     enable_gradient_checkpointing: bool = True
-    """Recompute activations in the backward pass (saves memory, costs ~30% compute)."""
+    """Recompute activations in the backward pass (saves memory, costs ~30% compute); which layers:
+    `gradient_checkpointing_layers`."""
+    gradient_checkpointing_layers: str = "all"
+    """Layers `enable_gradient_checkpointing` recomputes: "all" (every decoder layer and vision
+    block), or "every_k:K" (layers 0, K, 2K, ... of the decoder and, counted apart, of the vision
+    tower: about 1/K of the recompute cost, the other layers keep their activations).
+    Ignored when `enable_gradient_checkpointing` is false."""
     trust_remote_code: bool = False
     """Allow custom modelling code from the model folder."""
     freeze_vision_tower: bool = False

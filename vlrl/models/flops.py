@@ -6,10 +6,13 @@ multiply-add per token (mixture-of-experts layers: the router and the top-k expe
 to, i.e. the active parameters, not all experts; `vlrl.models.moe`), plus the attention scores and weighted sums (QK^T and AV), which grow with
 the context each token attends to (causal: token t attends to t keys of its own sequence; packed
 sequences do not attend to each other). Image tokens count as decoder tokens like any other.
-NOT counted: the vision tower (it runs once per image, is small next to the decoder for typical
-prompts, and its cost depends on image sizes), embeddings lookups, norms, rotary, softmax and
-activation-recomputation of gradient checkpointing (these are "model" FLOPs, not hardware FLOPs).
-Training = forward + backward = 3 x forward.
+The vision tower (`vision_forward_flops`): the patch embedding, each block's projections and MLP
+per patch, its attention within each frame (Qwen2.5-VL: within each window in the windowed
+blocks), and the merger(s) per merged token, from the images' patch grids (`image_grid`).
+NOT counted: embeddings lookups, norms, rotary, softmax, Qwen3-VL's interpolated position
+embeddings, and activation-recomputation of gradient checkpointing (these are "model" FLOPs, not
+hardware FLOPs). Training = forward + backward = 3 x forward; a frozen vision tower (no trainable
+weight in it, nothing before it to send gradients to) counts its forward only.
 
 MFU = achieved model FLOP/s / peak FLOP/s of the device. GPU peaks come from a table (dense bf16,
 no sparsity); on CPU the "peak" is a measured fp32 matmul rate of this process (measured once and
@@ -19,9 +22,10 @@ cached), so CPU MFU says how close the actor gets to plain matmul speed on these
 from __future__ import annotations
 
 import functools
+import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -93,6 +97,112 @@ def forward_flops(hf_config: Any, seq_lengths: Sequence[int], head_tokens: int |
 def training_flops(hf_config: Any, seq_lengths: Sequence[int], head_tokens: int | None = None) -> float:
     """Forward + backward model FLOPs (3 x forward) of one pass over `seq_lengths` (see `forward_flops`)."""
     return 3.0 * forward_flops(hf_config, seq_lengths, head_tokens)
+
+
+Grid = tuple[int, int, int]  # (t, h, w): temporal patches x patch rows x patch columns of one image/video
+
+
+def image_grid(vision_config: Any, size: tuple[int, int], frames: int = 1) -> Grid:
+    """The patch grid of an image (or video of `frames` frames) the processor will not resize:
+    `size` = (width, height) as PIL's `Image.size`, a multiple of patch_size x spatial_merge_size
+    (vlrl's data pipeline resizes to that, vlrl.data.encoded_images; otherwise the nearest grid).
+    An image is one temporal patch (the processor repeats it temporal_patch_size times)."""
+    p, m = int(vision_config.patch_size), int(vision_config.spatial_merge_size)
+    width, height = size
+    h, w = (max(round(x / (p * m)), 1) * m for x in (height, width))
+    t = max(math.ceil(frames / int(vision_config.temporal_patch_size)), 1)
+    return (t, h, w)
+
+
+def _windows(grid_h: int, grid_w: int, vision_config: Any) -> list[int]:
+    """Patches in each attention window of one frame of a Qwen2.5-VL windowed block: windows of
+    `window_size // spatial_merge_size // patch_size` merged tokens a side, the last row/column of
+    windows cut short by the frame's edge (transformers 5.19 vision_utils.py `get_vision_window_index`)."""
+    m = int(vision_config.spatial_merge_size)
+    side = int(vision_config.window_size) // m // int(vision_config.patch_size)
+
+    def spans(n: int) -> list[int]:  # n merged tokens cut into runs of `side`
+        return [min(side, n - i) for i in range(0, n, side)]
+
+    return [a * b * m * m for a in spans(grid_h // m) for b in spans(grid_w // m)]
+
+
+def _vision_dims(vc: Any) -> tuple[int, float, int, int]:
+    """(width, MLP matmul params per block, merger output width, mergers) of a Qwen-VL vision config.
+
+    Qwen2-VL: width `embed_dim`, MLP fc1/fc2 of `mlp_ratio` x width, merger to `hidden_size`.
+    Qwen2.5-VL: width `hidden_size`, gated MLP (gate, up, down) of `intermediate_size`.
+    Qwen3-VL: width `hidden_size`, MLP fc1/fc2 of `intermediate_size`, one more merger per
+    `deepstack_visual_indexes` entry (each as large as the main one)."""
+    if getattr(vc, "embed_dim", None) is not None and getattr(vc, "mlp_ratio", None) is not None:
+        dim = int(vc.embed_dim)
+        return dim, 2.0 * dim * dim * float(vc.mlp_ratio), int(vc.hidden_size), 1
+    dim, inter = int(vc.hidden_size), int(vc.intermediate_size)
+    out = int(getattr(vc, "out_hidden_size", None) or dim)
+    if getattr(vc, "fullatt_block_indexes", None) is not None:  # Qwen2.5-VL
+        return dim, 3.0 * dim * inter, out, 1
+    deepstack = len(getattr(vc, "deepstack_visual_indexes", None) or ())
+    return dim, 2.0 * dim * inter, out, 1 + deepstack
+
+
+def vision_forward_flops(hf_config: Any, grids: Iterable[Grid]) -> float:
+    """Forward FLOPs of the vision tower over images/videos of patch grids `grids` (t, h, w).
+
+    Per patch: the patch embedding (a conv with stride = kernel: in_channels x temporal_patch_size
+    x patch_size^2 inputs per output), then per block qkv + proj (4 width^2) and the MLP; per merged
+    token (spatial_merge_size^2 patches): the merger's two linears (each merger). Attention: QK^T
+    and AV, 4 x width FLOPs per (query, key) pair, over all pairs of a frame (bidirectional) or,
+    in Qwen2.5-VL's windowed blocks (those not in `fullatt_block_indexes`), of a window."""
+    vc = getattr(hf_config, "vision_config", None)
+    grids = list(grids)
+    if vc is None or not grids:
+        return 0.0
+    dim, mlp, out, mergers = _vision_dims(vc)
+    depth, m2 = int(vc.depth), int(vc.spatial_merge_size) ** 2
+    embed = int(getattr(vc, "in_channels", 3)) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2 * dim
+    patches = sum(t * h * w for t, h, w in grids)
+    dense = 2.0 * patches * (embed + depth * (4.0 * dim * dim + mlp))
+    merger = 2.0 * (patches / m2) * mergers * ((dim * m2) ** 2 + dim * m2 * out)
+    full_pairs = sum(t * (h * w) ** 2 for t, h, w in grids)
+    full_blocks = depth
+    window_pairs = 0.0
+    if getattr(vc, "fullatt_block_indexes", None) is not None:
+        full_blocks = len([i for i in vc.fullatt_block_indexes if 0 <= i < depth])
+        window_pairs = (depth - full_blocks) * sum(
+            t * sum(n * n for n in _windows(h, w, vc)) for t, h, w in grids
+        )
+    attention = 4.0 * dim * (full_blocks * full_pairs + window_pairs)
+    return dense + merger + attention
+
+
+def vision_training_flops(hf_config: Any, grids: Iterable[Grid], trainable: bool) -> float:
+    """The vision tower's share of one training pass: 3 x forward, or 1 x when it is frozen."""
+    return (3.0 if trainable else 1.0) * vision_forward_flops(hf_config, grids)
+
+
+def batch_vision_grids(
+    hf_config: Any, images: Sequence[Sequence[Any]], videos: Sequence[Sequence[Any]] | None = None
+) -> list[Grid]:
+    """Patch grids of the images and videos a batch's vision tower encodes: each distinct tuple of
+    a sample's items once (the samples of a GRPO group share theirs: vlrl.workers.vision
+    `collate_shared`, vlrl.models.shared_images). Items need `.size` (width, height); videos also
+    `.frames`. A group split over micro-batches is encoded once per micro-batch: that extra work
+    is not counted (model FLOPs)."""
+    vc = getattr(hf_config, "vision_config", None)
+    if vc is None:
+        return []
+    grids: list[Grid] = []
+    for per_sample, is_video in ((images, False), (videos or [], True)):
+        seen: set[tuple[int, ...]] = set()
+        for items in per_sample:
+            key = tuple(id(item) for item in items)
+            if not items or key in seen:
+                continue
+            seen.add(key)
+            for item in items:  # PIL images, vlrl EncodedImage / Video: all have `.size`
+                if getattr(item, "size", None) is not None:
+                    grids.append(image_grid(vc, item.size, len(item.frames) if is_video else 1))
+    return grids
 
 
 def flops_per_token(hf_config: Any, context: int) -> float:

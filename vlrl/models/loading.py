@@ -8,12 +8,16 @@ VLMs (a config with `vision_config`) load with `AutoModelForImageTextToText`, te
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vlrl.config.checks import gradient_checkpointing_interval
 from vlrl.models.attention import VARLEN_ATTENTION, set_text_attention, set_vision_attention
 from vlrl.models.shared_images import share_image_features
+
+if TYPE_CHECKING:
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
 DTYPES = {
     "float32": torch.float32,
@@ -74,6 +78,42 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
+def checkpointable_stacks(model: torch.nn.Module) -> list[list[GradientCheckpointingLayer]]:
+    """The model's stacks of checkpointable layers, each in forward order: the vision tower's
+    blocks and the decoder's layers (transformers' `GradientCheckpointingLayer` children of one
+    `nn.ModuleList`)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    stacks: list[list[GradientCheckpointingLayer]] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            layers = [m for m in module if isinstance(m, GradientCheckpointingLayer)]
+            if layers:
+                stacks.append(layers)
+    return stacks
+
+
+def select_checkpointed_layers(model: torch.nn.Module, every: int) -> int:
+    """Keep activation checkpointing on layers 0, every, 2 x every, ... of each stack (decoder
+    layers and vision blocks counted apart), off on the others; returns how many are on.
+
+    Call after `gradient_checkpointing_enable`, which sets every layer's `gradient_checkpointing`
+    flag and its `_gradient_checkpointing_func`. The flag is read at each call
+    (transformers 5.19 modeling_layers.py `GradientCheckpointingLayer.__call__`: checkpoint(
+    `nn.Module.__call__`) when the flag is set and the module trains). transformers' own
+    `every_n_layers` counts all such layers in one sequence, vision blocks and decoder layers
+    together, hence this per-stack count. FSDP2 composes either way: `fully_shard`
+    (vlrl.workers.fsdp, after loading) registers its all-gather/free as forward hooks of the same
+    layer modules, so they run inside the checkpointed call and again on its recompute; a layer
+    whose flag is off keeps its activations like a model without checkpointing."""
+    count = 0
+    for layers in checkpointable_stacks(model):
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i % every == 0
+            count += int(layer.gradient_checkpointing)
+    return count
+
+
 def load_model(
     model_path: str,
     *,
@@ -81,6 +121,7 @@ def load_model(
     overrides: dict[str, Any] | None = None,
     padding_free: bool = True,
     gradient_checkpointing: bool = False,
+    checkpoint_layers: str = "all",
     freeze_vision: bool = False,
     trust_remote_code: bool = False,
     on_meta: bool = False,
@@ -88,6 +129,8 @@ def load_model(
     """Build the model of `model_path` in `dtype` on CPU (or with empty weights on meta when `on_meta`).
 
     `on_meta` is for ranks > 0 when rank 0 broadcasts the weights after sharding (vlrl.workers.fsdp).
+    `checkpoint_layers`: which layers `gradient_checkpointing` recomputes ("all" or "every_k:K",
+    `select_checkpointed_layers`).
     """
     from transformers.utils import logging as hf_logging
 
@@ -116,6 +159,7 @@ def load_model(
     if gradient_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2 and passes our forward kwargs through.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        select_checkpointed_layers(model, gradient_checkpointing_interval(checkpoint_layers))
     if freeze_vision:
         tower = vision_tower(model)
         if tower is None:

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from vlrl.algorithms import aggregate_loss, compute_kl_loss, compute_policy_loss, count_tokens_and_seqs
 from vlrl.batch.rows import RolloutBatch
 from vlrl.config import ActorConfig, AlgorithmConfig
-from vlrl.models.flops import peak_flops, training_flops
+from vlrl.models.flops import batch_vision_grids, peak_flops, training_flops, vision_training_flops
 from vlrl.models.loading import model_class
 from vlrl.models.lora import ADAPTER, lora_scaling_of, merged_named_tensors
 from vlrl.models.moe import write_checkpoint_layout
@@ -54,7 +54,13 @@ from vlrl.workers.checkpoint_io import (
     state_placement,
 )
 from vlrl.workers.fsdp import fsdp_offloads_to_cpu, full_state_dict, move_optimizer_state, move_params
-from vlrl.workers.optim import any_nonfinite, build_lr_scheduler, build_optimizer, clip_and_step
+from vlrl.workers.optim import (
+    any_nonfinite,
+    build_lr_scheduler,
+    build_optimizer,
+    clip_and_step,
+    nonfinite_screen,
+)
 from vlrl.workers.sharded_model import ShardedModel, ShardSpec
 
 logger = logging.getLogger(__name__)
@@ -263,12 +269,17 @@ class Actor:
         return {**stats.finish(model.all_reduce), **self._perf_metrics(batch, seconds)}
 
     def _perf_metrics(self, batch: RolloutBatch, seconds: float) -> dict[str, float]:
-        """Real tokens/s and MFU of this update (decoder model FLOPs; see vlrl.models.flops), rank mean."""
+        """Real tokens/s and MFU of this update (decoder + vision tower model FLOPs; see
+        vlrl.models.flops), rank mean."""
         lengths = batch.attention_mask.sum(-1).tolist()
         epochs = self.cfg.ppo_epochs
         model = self.model
         # logits are computed for the response tokens only (the lm head's share of the FLOPs)
-        flops = epochs * training_flops(model.hf_config, lengths, int(batch.response_mask.sum()))
+        flops = training_flops(model.hf_config, lengths, int(batch.response_mask.sum()))
+        # a frozen tower (freeze_vision_tower; LoRA leaves it without adapters) runs forward only
+        grids = batch_vision_grids(model.hf_config, batch.images, batch.videos)
+        trainable_vision = not (self.cfg.model.freeze_vision_tower or self.lora)
+        flops = epochs * (flops + vision_training_flops(model.hf_config, grids, trainable_vision))
         peak = peak_flops(model.device) or float("nan")
         # a rank of a Ulysses group runs 1/sp of its rows' tokens; the sum over ranks counts them once
         sp = model.spec.ulysses_size
@@ -375,10 +386,20 @@ class Actor:
             )
 
     def weights_finite(self) -> bool:
-        """Whether every rank's shards hold only finite values (the same answer on every rank)."""
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.params]
-        bad = any_nonfinite([t.detach() for t in local if t.numel()])
-        return self.model.all_reduce([float(bad)], dist.ReduceOp.MAX)[0] == 0
+        """Whether every rank's shards hold only finite values (the same answer on every rank).
+
+        One host sync when they are: `nonfinite_screen`'s flag is all-reduced on the device and read
+        once (not a read, then a read of the all-reduce). Only a flag (a non-finite value, or a
+        2-norm that overflowed) runs the exact check, `any_nonfinite`, on every rank."""
+        model = self.model
+        local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in self.params]
+        flag = nonfinite_screen(local, model.device).to(model.device)
+        if model.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return True
+        bad = any_nonfinite(local)
+        return model.all_reduce([float(bad)], dist.ReduceOp.MAX)[0] == 0
 
     def _has_advantage(self, mini: RolloutBatch) -> bool:
         """Whether any rank's mini-batch has a non-zero advantage on a response token."""

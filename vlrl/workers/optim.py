@@ -1,6 +1,7 @@
 """Optimizer, learning-rate schedule and a guarded optimizer step (clip, skip non-finite).
 
-- `adamw`: torch AdamW (moments in the parameters' dtype).
+- `adamw`: torch AdamW (moments in the parameters' dtype); its fused kernel (`fused=True`) when every
+  parameter is on an accelerator that has one (CUDA), else torch's default loop (CPU, unchanged).
 - `adamw_bf16`: `AdamWBf16`, AdamW whose two moments are stored in bf16 (half the state memory);
   the update itself is computed in fp32.
 - Schedule: linear warm-up over `lr_warmup_steps` trainer steps (or `lr_warmup_ratio * total_steps`) from 0 to
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from vlrl.config import OptimConfig
 
@@ -105,12 +107,64 @@ class AdamWBf16(torch.optim.Optimizer):
         torch._foreach_add_(weights, [u.to(w.dtype) for u, w in zip(update, weights)], alpha=-lr)
 
 
+def adamw_implementation(params: Iterable[torch.Tensor]) -> str:
+    """The AdamW implementation for `params`: "fused" (one `torch._fused_adamw_` kernel per device
+    and dtype) when every parameter is a floating-point tensor on an accelerator with fused
+    optimizer kernels, else "default" (torch's own choice: the per-parameter loop on CPU, today's
+    numerics).
+
+    Devices: torch 2.13 torch/utils/_foreach_utils.py `_get_fused_kernels_supported_devices` lists
+    cpu too, but CPU keeps the default loop on purpose: fused rounds differently, and CPU runs (the
+    quickstart, the tests) would change their numbers. DTensor parameters (FSDP2) are fine: DTensor
+    registers `aten._fused_adamw_` as a pointwise op on the local shards (torch/distributed/tensor/
+    _ops/_pointwise_ops.py; the 0-dim `step` counters may live off the params' mesh, see
+    _ops/utils.py "Multi-mesh args"). torch's own default would not pick fused, nor even foreach,
+    for them: `_default_to_fused_or_foreach` (torch/optim/optimizer.py) accepts plain tensors only."""
+    params = list(params)
+    ok = all(fused_adamw_supported(p.device, p.dtype) for p in params)
+    return "fused" if params and ok else "default"
+
+
+def fused_adamw_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether vlrl runs AdamW fused for a parameter on `device` of `dtype` (CPU never: see
+    `adamw_implementation`)."""
+    accelerators = set(_get_fused_kernels_supported_devices()) - {"cpu"}
+    return torch.device(device).type in accelerators and dtype.is_floating_point
+
+
+def _keep_implementation(optimizer: torch.optim.Optimizer) -> None:
+    """Make a loaded AdamW state run with the implementation this run chose (a load-state-dict
+    post-hook; checkpoints resume across the two, e.g. written on GPU (fused), resumed on CPU).
+
+    torch's loader takes every hyper-parameter but `params` from the SAVED groups, `fused` and
+    `foreach` included, and places each `step` counter by the saved group's `fused` flag (torch
+    2.13 torch/optim/optimizer.py `load_state_dict` / `_process_value_according_to_param_policy`).
+    So the flags chosen at build time (`optimizer.defaults`) are put back, and `step` moves to
+    where that implementation reads it: the parameter's device in float32 for fused, the host for
+    the loop (which reads it with `.item()`: a device sync per parameter if it stayed on a GPU).
+    The state keys are the same either way (step, exp_avg, exp_avg_sq)."""
+    fused = bool(optimizer.defaults.get("fused"))
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = optimizer.defaults["fused"], optimizer.defaults["foreach"]
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if not isinstance(step, torch.Tensor):
+                continue
+            device = p.device if fused else torch.device("cpu")
+            if step.device != device:
+                optimizer.state[p]["step"] = step.to(device=device, dtype=torch.float32)
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW (`optim.strategy=adamw`) or AdamWBf16 (`adamw_bf16`) over `params`."""
+    """AdamW (`optim.strategy=adamw`; fused on GPU, see `adamw_implementation`) or AdamWBf16
+    (`adamw_bf16`) over `params`."""
     params = list(params)
     kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": tuple(cfg.betas), "weight_decay": cfg.weight_decay}
     if cfg.strategy == "adamw":
-        return torch.optim.AdamW(params, **kwargs)
+        fused = adamw_implementation(params) == "fused"
+        optimizer = torch.optim.AdamW(params, **kwargs, fused=fused or None)
+        optimizer.register_load_state_dict_post_hook(_keep_implementation)
+        return optimizer
     if cfg.strategy == "adamw_bf16":
         return AdamWBf16(params, **kwargs)
     raise ValueError(f"unknown optim.strategy {cfg.strategy!r}; valid: {list(STRATEGIES)}")
@@ -158,17 +212,49 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
     return float(total)
 
 
+def nonfinite_screen(tensors: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """A 0-dim float32 flag, without a host sync: 0.0 when every tensor's 2-norm is finite, which
+    proves every element finite (an inf or nan element makes the sum of squares inf or nan, and
+    nothing turns those finite again), 1.0 otherwise: a non-finite element, or a 2-norm too large
+    for float32 (|x| ~ 1e19 and up), which only `any_nonfinite`'s exact check tells apart.
+
+    Per dtype (one, usually): one `_foreach_norm` (multi-tensor kernels on CUDA), one `stack` of
+    its 0-dim results and one max, instead of a cast kernel per tensor. The 2-norm because on CPU it
+    is a vectorized reduction while torch 2.13's CPU inf-norm is ~50x slower (benchmarks/
+    bench_nonfinite_check.py). `device`: where the flag goes when there are no tensors (an empty shard)."""
+    worst = _worst_norm(tensors, 2.0)
+    if worst is None:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return (~torch.isfinite(worst)).float()
+
+
+def _worst_norm(tensors: list[torch.Tensor], ord: float) -> torch.Tensor | None:
+    """The largest `ord`-norm of the non-empty tensors as a 0-dim float32 tensor (nan if any norm is
+    nan: max propagates it), None without any. Grouped by dtype: `stack` needs one dtype, and
+    `_foreach_norm` returns each norm in its tensor's dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    worst = [torch.stack(list(torch._foreach_norm(group, ord))).max().float() for group in by_dtype.values()]
+    if not worst:
+        return None
+    return worst[0] if len(worst) == 1 else torch.stack(worst).max()
+
+
 def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
-    """Whether any of the tensors holds inf or nan: one fused max-abs per tensor (inf-norm: finite
-    exactly when every element is, and unlike the 2-norm it cannot overflow), then one reduction."""
-    # torch 2.13 refuses the inf-norm of an empty tensor (torch/_meta_registrations.py
-    # `meta_foreach_norm`; a rank's FSDP shard can be empty), on CPU and CUDA alike; on CUDA the
-    # fused kernel handles bf16 and returns one 0-dim tensor per input, and `bool` below is the one sync.
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
+    """Whether any of the tensors holds inf or nan (one host sync when they are all finite).
+
+    `nonfinite_screen` first; only when it flags (non-finite, or a 2-norm that overflowed) the exact
+    check: a fused max-abs per tensor (inf-norm: finite exactly when every element is, and it
+    cannot overflow)."""
+    if not bool(nonfinite_screen(tensors)):
         return False
-    norms = torch._foreach_norm(tensors, ord=float("inf"))
-    return not bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+    # torch 2.13 refuses the inf-norm of an empty tensor (torch/_meta_registrations.py
+    # `meta_foreach_norm`; a rank's FSDP shard can be empty), on CPU and CUDA alike: `_worst_norm`
+    # leaves them out.
+    worst = _worst_norm(tensors, float("inf"))
+    return worst is not None and not bool(torch.isfinite(worst))
 
 
 def clip_and_step(

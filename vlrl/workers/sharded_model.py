@@ -175,6 +175,7 @@ class ShardedModel:
             overrides=dict(model_cfg.override_config),
             padding_free=self.spec.padding_free,
             gradient_checkpointing=trainable and model_cfg.enable_gradient_checkpointing,
+            checkpoint_layers=model_cfg.gradient_checkpointing_layers,
             freeze_vision=trainable and model_cfg.freeze_vision_tower,
             trust_remote_code=model_cfg.trust_remote_code,
             on_meta=on_meta,
