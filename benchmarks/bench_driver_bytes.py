@@ -1,7 +1,8 @@
-"""Bytes through the driver per step, by phase: rows through the driver (before) vs rows held on the ranks (after).
+"""Bytes through the driver per step, by phase: rows through the driver and decoded images (before) vs
+rows held on the ranks and encoded images (after).
 
     .venv/bin/python benchmarks/bench_driver_bytes.py [--skip-quickstart] [--prompts 512] [--n 5]
-        [--response-length 1024] [--tp 1] [--kl-in-reward] [--whole-batch-reward]
+        [--response-length 1024] [--tp 1] [--kl-in-reward] [--whole-batch-reward] [--images diagram|photo]
 
 "before" is the data flow up to this redesign (images already by reference, batches in narrow
 dtypes): the generating ranks streamed each finished group's response ids to the driver's reward
@@ -16,6 +17,13 @@ response back; before, old and reference log-probs came back); the update gets r
 advantages as before. `--whole-batch-reward`: a batch reward that must see
 the whole batch at once, which the driver scores: the samples carry the response ids.
 
+The `images` phase is what the driver's loader puts into its object store, each prompt's image
+once (every node whose ranks use an image pulls those bytes from the driver's node): before, the
+decoded 896x896 RGB the loader made (`PIL` pickled, 2.4 MB each); after, the encoded file
+(`vlrl.data.encoded_images.EncodedImage`), decoded on the ranks. `--images diagram` (the default):
+geo3k-like geometry diagrams, black lines, circles and labels on white, as PNG; `--images photo`:
+a smooth photo-like image with noise as JPEG (quality 90), a much harder case for the encoder.
+
 1. geo3k-sized synthetic step (no model runs): `--prompts` prompts x `--n` samples, 896x896 images
    (1,024 image tokens with 28-px merged patches), 1,150-token prompts, responses of 64 to
    `--response-length` tokens, 8 ranks. The payloads are the trainer's real ones (`split_prompts`,
@@ -29,13 +37,15 @@ the whole batch at once, which the driver scores: the samples carry the response
 from __future__ import annotations
 
 import argparse
-import os
+import io
+import random
 import sys
 import tempfile
 from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 from PIL import Image
@@ -49,17 +59,67 @@ from vlrl.trainer.dispatch import balanced_shards, split_prompts, update_inputs
 from vlrl.trainer.ppo_trainer import PPOTrainer
 from vlrl.trainer.ranks import Method
 
-PHASES = ("generate", "log_probs", "update")
+PHASES = ("images", "generate", "log_probs", "update")
 
 
 def nbytes(obj: Any) -> int:
     return len(ray.cloudpickle.dumps(obj, protocol=5))
 
 
-def synthetic_step(prompts: int, n: int, r: int) -> tuple[PromptBatch, RolloutBatch]:
-    p, side = 1150, 896
+def diagram(seed: int, side: int = 896) -> Image.Image:
+    """A geo3k-like figure: a few dozen black lines, circles and letter labels on white."""
+    from PIL import ImageDraw
+
+    rnd = random.Random(seed)
+    image = Image.new("RGB", (side, side), "white")
+    draw = ImageDraw.Draw(image)
+    points = [(rnd.randrange(40, side - 40), rnd.randrange(40, side - 40)) for _ in range(12)]
+    for _ in range(30):
+        draw.line([rnd.choice(points), rnd.choice(points)], fill="black", width=3)
+    for x, y in points[:3]:
+        r = rnd.randrange(30, 200)
+        draw.ellipse([x - r, y - r, x + r, y + r], outline="black", width=3)
+    for i, (x, y) in enumerate(points):
+        draw.text((x + 6, y + 6), "ABCDEFGHIJKL"[i], fill="black", font_size=28)
+    return image
+
+
+def photo(seed: int, side: int = 896) -> Image.Image:
+    """A photo-like image: smooth colour gradients plus sensor-like noise."""
+    rnd = np.random.default_rng(seed)
+    y, x = np.mgrid[0:side, 0:side] / side
+    base = np.stack([x, y, (x + y) / 2], -1) * rnd.uniform(120, 255, 3) + rnd.normal(0, 6, (side, side, 3))
+    return Image.fromarray(np.clip(base, 0, 255).astype(np.uint8), "RGB")
+
+
+def step_images(prompts: int, kind: str, distinct: int = 16) -> tuple[list[list[Any]], list[list[Any]]]:
+    """Each prompt's one 896x896 image as the loader made it before (decoded RGB) and after (the
+    encoded file, `EncodedImage`). `distinct` drawings are cycled; every prompt has its own objects,
+    as rows of a dataset have."""
+    from vlrl.data.encoded_images import encode_image
+
+    fmt = "PNG" if kind == "diagram" else "JPEG"
+    files = []
+    for seed in range(distinct):
+        buffer = io.BytesIO()
+        (diagram if kind == "diagram" else photo)(seed).save(
+            buffer, format=fmt, **({"quality": 90} if fmt == "JPEG" else {})
+        )
+        files.append(buffer.getvalue())
+    pixels = [Image.open(io.BytesIO(data)).convert("RGB") for data in files]
+    before = [[pixels[i % distinct].copy()] for i in range(prompts)]
+    after = [[encode_image(files[i % distinct], "", _same_size, verified=True)] for i in range(prompts)]
+    return before, after
+
+
+def _same_size(height: int, width: int) -> tuple[int, int]:
+    """The model's size of an 896x896 image: itself (a multiple of 28 within the bounds)."""
+    return height, width
+
+
+def synthetic_step(prompts: int, n: int, r: int, images: list[list[Any]]) -> tuple[PromptBatch, RolloutBatch]:
+    p = 1150
     g = torch.Generator().manual_seed(0)
-    images = [[Image.frombytes("RGB", (side, side), os.urandom(side * side * 3))] for _ in range(prompts)]
     prompt_batch = PromptBatch(
         input_ids=torch.randint(0, 150_000, (prompts, p), generator=g), attention_mask=torch.ones(prompts, p, dtype=torch.long),
         position_ids=torch.arange(p).expand(prompts, 3, p).clone(), raw_prompt_ids=[list(range(127)) for _ in range(prompts)],
@@ -96,7 +156,13 @@ def synthetic_bytes(
         replace(prompts),
         replace(batch),
     )  # what a step sets here must not leak into the next call
-    store = ImageRefs.ray()
+    images = [0]  # bytes the driver puts into its object store: each prompt's image, once
+
+    def put(image: Any) -> Any:
+        images[0] += nbytes(image)
+        return ray.put(image)
+
+    store = ImageRefs(put, ray.get)
     prompts.images = store.to_refs(prompts.images)
     batch.images = store.to_refs(batch.images)  # what the ranks hold: the same references
     engines, per_engine = world // tp, len(batch) // (world // tp)
@@ -144,6 +210,7 @@ def synthetic_bytes(
         )
     step.advantages = torch.zeros(batch.responses.shape)
     out["update"] += sum(nbytes(s) for s in update_inputs(step, shards))
+    out["images"] = images[0]
     return dict(out)
 
 
@@ -241,24 +308,33 @@ def main() -> None:
     parser.add_argument(
         "--whole-batch-reward", action="store_true", help="the driver scores: response ids come to it"
     )
+    parser.add_argument(
+        "--images", choices=("diagram", "photo"), default="diagram", help="what the images look like"
+    )
     parser.add_argument("--skip-quickstart", action="store_true")
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    prompts, batch = synthetic_step(args.prompts, args.n, args.response_length)
+    decoded, encoded = step_images(args.prompts, args.images)
+    prompts, batch = synthetic_step(args.prompts, args.n, args.response_length, decoded)
     before = synthetic_bytes(prompts, batch, 8, held=False, tp=args.tp)
+    prompts, batch = synthetic_step(args.prompts, args.n, args.response_length, encoded)
     after = synthetic_bytes(
         prompts, batch, 8, held=True, tp=args.tp, kl_in_reward=args.kl_in_reward,
         whole_batch_reward=args.whole_batch_reward,
     )  # fmt: skip
+    mean = sum(len(row[0].data) for row in encoded) / len(encoded)
+    print(
+        f"  images ({args.images}): {mean / 1e3:.1f} kB encoded on average, {896 * 896 * 3 / 1e6:.2f} MB decoded"
+    )
     kl = ", KL in the reward" if args.kl_in_reward else ""
     kl += ", a whole-batch reward (scored on the driver)" if args.whole_batch_reward else ""
     table(
         f"geo3k-sized step ({args.prompts} prompts x {args.n}, responses up to {args.response_length} tokens, "
-        f"8 ranks, TP {args.tp}{kl}): bytes through the driver",
+        f"8 ranks, TP {args.tp}{kl}, {args.images} images): bytes through the driver",
         before,
         after,
     )
-    del prompts, batch
+    del prompts, batch, decoded, encoded
     ray.shutdown()
     if not args.skip_quickstart:
         live = quickstart_bytes()

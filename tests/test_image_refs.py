@@ -78,3 +78,24 @@ def test_a_batch_refers_and_fetches_images_and_videos_in_place() -> None:
     no_videos = SimpleNamespace(images=[[image]], videos=None)
     ImageRefs(store.put, store.get).refer(no_videos)
     assert no_videos.videos is None
+
+
+def test_a_rank_decodes_each_fetched_image_once_and_hands_back_its_reference() -> None:
+    """Dataset images are stored encoded; a rank's `local` decodes each reference once per step, and
+    the decoded image handed back (in its rollout) maps to the encoded one's reference."""
+    import io
+
+    from vlrl.data.encoded_images import EncodedImage, decoded
+
+    store = _Store()
+    buffer = io.BytesIO()
+    Image.new("RGB", (56, 28), "red").save(buffer, format="PNG")
+    encoded = EncodedImage(buffer.getvalue(), 28, 56)
+    refs = ImageRefs(store.put, store.get).to_refs([[encoded], [encoded]])
+    assert len(store.blobs[0]) < len(buffer.getvalue()) + 200  # bytes in the store, not pixels
+    rank = ImageRefs(store.put, store.get, local=decoded)
+    images = rank.resolve(refs)
+    assert isinstance(images[0][0], Image.Image) and images[0][0] is images[1][0]
+    assert images[0][0].getpixel((0, 0)) == (255, 0, 0) and images[0][0].size == (56, 28)
+    assert rank.resolve(refs)[1][0] is images[0][0] and store.gets == [1]
+    assert rank.to_refs(images) == refs and store.puts == 1  # nothing stored again

@@ -9,6 +9,7 @@ import torch
 from data_helpers import png_bytes, write_jsonl, write_png
 
 from vlrl.data import DataError, RLDataset, collate_prompts
+from vlrl.data.encoded_images import decoded
 
 
 @pytest.fixture
@@ -70,7 +71,8 @@ def test_processor_expansion_equals_prediction(tokenizer_processor, make_config,
         a, b = reference[i], fast[i]
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids)
         if a.images:
-            out = processor(text=[a.prompt], images=a.images, return_tensors="pt")  # its own resize on
+            pixels = [decoded(image) for image in a.images]  # what a rank gets
+            out = processor(text=[a.prompt], images=pixels, return_tensors="pt")  # its own resize on
             assert torch.equal(out["image_grid_thw"], a.image_grid_thw)
             assert torch.equal(out["input_ids"][0], a.input_ids)
 
@@ -122,7 +124,7 @@ def test_image_forms_in_parquet(tokenizer_processor, make_config, tmp_path):
     raw.to_parquet(tmp_path / "raw.parquet")
     for name in ("feat.parquet", "raw.parquet"):
         dataset = RLDataset(str(tmp_path / name), make_config(), tokenizer, processor)
-        colours = [dataset[i].images[0].getpixel((5, 5)) for i in range(2)]
+        colours = [decoded(dataset[i].images[0]).getpixel((5, 5)) for i in range(2)]
         assert colours == [(255, 0, 0), (0, 0, 255)], name
 
 

@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from vlrl.data import RLDataset
+from vlrl.data.encoded_images import decoded
 from vlrl.data.synthetic import COLOURS, make_multi_image_dataset, make_shapes_dataset
 
 
@@ -46,7 +47,7 @@ def test_multi_image_dataset_loads(tmp_path, tokenizer_processor, make_config):
     dataset = RLDataset(str(train), make_config(), *tokenizer_processor("qwen2_5_vl"))
     sample = dataset[0]
     red_index = 0 if sample.ground_truth == "first" else 1
-    assert COLOURS["red"] in {c for _, c in sample.images[red_index].getcolors(100000)}
+    assert COLOURS["red"] in {c for _, c in decoded(sample.images[red_index]).getcolors(100000)}
     assert sample.extras == {"task": "multi_image"}
 
 

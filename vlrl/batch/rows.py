@@ -124,7 +124,9 @@ class PromptBatch(SampleBatch):
     attention_mask: torch.Tensor  # [B, P] long, 1 on real tokens
     position_ids: torch.Tensor  # [B, P] (text models) or [B, 3, P] (mrope: temporal, height, width)
     raw_prompt_ids: list[list[int]]  # unexpanded ids (one <|image_pad|> per image) for the rollout engine
-    images: list[list[Any]]  # PIL images per prompt, already resized to the pixel bounds ([] if none)
+    # per prompt ([] if none): from the loader, encoded files with the size the model sees
+    # (vlrl.data.encoded_images.EncodedImage); on a rank once fetched, RGB PIL images of that size
+    images: list[list[Any]]
     prompts: list[str]  # the rendered prompt text (chat template applied), for rewards and logs
     ground_truths: list[Any]  # answer column per prompt
     extras: list[dict[str, Any]]  # every other dataset column, passed to the reward function

@@ -19,7 +19,7 @@ class PromptSample:
     input_ids: torch.Tensor  # [L] long, each <|image_pad|> expanded to its image's token count
     position_ids: torch.Tensor  # [L] (text models) or [3, L] (mrope)
     raw_prompt_ids: list[int]  # unexpanded ids: one <|image_pad|> per image (vLLM expands itself)
-    images: list[Any]  # RGB PIL images, resized to the pixel bounds (multiples of patch*merge)
+    images: list[Any]  # EncodedImage: file bytes + the size the model sees (multiples of patch*merge)
     prompt: str  # the rendered prompt (chat template applied)
     ground_truth: str | list[str]  # vlrl.data.answers rule
     extras: dict[str, Any] = field(default_factory=dict)  # the row's other columns

@@ -3,9 +3,10 @@
 Construction reads only the columns it needs: each row's keys, `<image>` marker count, image
 existence and headers, and expanded prompt length are checked, and every image is decoded once
 (`vlrl.data.image_check`: threads, cached across restarts), so a long run cannot die at step 500 on
-a bad row. `__getitem__` decodes and resizes the images and returns a model-ready `PromptSample`;
-a row that fails there anyway (a file changed after start-up) is skipped by `sample_or_skip` when
-`data.skip_bad_rows` is set.
+a bad row. `__getitem__` returns a model-ready `PromptSample` whose images are their encoded
+files and the size the model sees (`vlrl.data.encoded_images`: the ranks decode and resize them);
+an image the check did not see as it is now is decoded there too, and a row that fails there (a
+file changed after start-up) is skipped by `sample_or_skip` when `data.skip_bad_rows` is set.
 """
 
 from __future__ import annotations
@@ -73,12 +74,15 @@ class RLDataset(torch.utils.data.Dataset):
         self._index: list[tuple[int, int]] = []  # kept rows: (source index, row within source)
         self.num_images_decoded = 0  # images decoded by the start-up check
         self.num_images_cached = 0  # images the check's cache already knew to be good
+        # the check's keys of the images it found good: `__getitem__` reads only their headers
+        self.good_images: set[str] = set()
         self.late_bad_rows: list[DataError] = []  # rows that failed when drawn (skip_bad_rows=true)
         self._late_bad: set[int] = set()  # their dataset indices
         for source_idx, source in enumerate(self.sources):
             with ImageChecker(source.name, config.image_check_cache_dir) as checker:
                 self._validate_source(source_idx, source, checker)
             self.num_images_decoded += checker.num_decoded
+            self.good_images |= checker.good
             self.num_images_cached += checker.num_cached
         self._log_summary()
 
@@ -101,7 +105,9 @@ class RLDataset(torch.utils.data.Dataset):
         source = self.sources[source_idx]
         row = source.dataset[row_idx]
         try:
-            return self.prep.sample(row, source.image_dir, source.offset + row_idx, self.use_processor)
+            return self.prep.sample(
+                row, source.image_dir, source.offset + row_idx, self.use_processor, self.good_images
+            )
         except (RowProblem, ImageProblem) as err:
             message = f"{err} (found when the row was drawn, after the start-up check passed: was the file changed?){SKIP_HINT}"
             raise DataError(message, file=source.name, row=row_idx) from err

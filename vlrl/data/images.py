@@ -109,6 +109,12 @@ def _open(value: Any, image_dir: str) -> Image.Image:
         raise ImageProblem(_bomb_message(path or value, err)) from err
 
 
+def open_header(value: Any, image_dir: str) -> Image.Image:
+    """The image of a file, dict or bytes cell opened lazily (header read, pixels not decoded);
+    the caller closes it. Raises ImageProblem as `load_image` does."""
+    return _open(value, image_dir)
+
+
 def _bomb_message(value: Any, err: Exception) -> str:
     return (
         f"image {describe(value)} is too large to decode safely ({err}); shrink the image, or raise "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,12 +11,13 @@ import torch
 
 from vlrl.data.answers import AnswerProblem, normalize_answer
 from vlrl.data.collate import PromptSample
+from vlrl.data.encoded_images import decoded, encode_image
+from vlrl.data.image_check import image_key
 from vlrl.data.images import (
+    ImageProblem,
     check_exists,
     image_list,
-    load_image,
     probe_size,
-    resize_image,
     scale_into_bounds,
     smart_resize,
 )
@@ -52,6 +53,15 @@ def _parse_cell_list(cell: Any) -> list[Any]:
     if isinstance(cell, str) and not cell.strip():
         return []
     return image_list(cell)
+
+
+def _verified(cell: Any, image_dir: str, known_good: Container[str]) -> bool:
+    """Whether the start-up check decoded this image as it is now (a missing file: no)."""
+    try:
+        key = image_key(cell, image_dir)
+    except (OSError, ImageProblem):
+        return False
+    return key is not None and key in known_good
 
 
 class RowPreparer:
@@ -243,13 +253,26 @@ class RowPreparer:
         return torch.tensor([[1, h // patch, w // patch] for h, w in sizes], dtype=torch.long).reshape(-1, 3)
 
     # ---- the full preparation (run in __getitem__)
-    def sample(self, row: dict[str, Any], image_dir: str, uid: int, use_processor: bool) -> PromptSample:
-        """The model-ready sample of a row (decodes and resizes its images)."""
+    def sample(
+        self,
+        row: dict[str, Any],
+        image_dir: str,
+        uid: int,
+        use_processor: bool,
+        known_good: Container[str] = (),
+    ) -> PromptSample:
+        """The model-ready sample of a row; its images as `EncodedImage`s (the file's bytes and the
+        size the model sees: the ranks decode and resize them, `vlrl.data.encoded_images`).
+
+        `known_good`: image-check keys (`image_check.image_key`) the start-up check decoded; an
+        image not among them is decoded here, so a file changed since start-up fails now."""
         prompt, cells = self.text(row)
         raw_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        decoded = [load_image(cell, image_dir) for cell in cells]
-        sizes = [self.target_size(image.height, image.width) for image in decoded]
-        images = [resize_image(image, h, w) for image, (h, w) in zip(decoded, sizes)]
+        images = [
+            encode_image(cell, image_dir, self.target_size, _verified(cell, image_dir, known_good))
+            for cell in cells
+        ]
+        sizes = [(image.height, image.width) for image in images]
         grid = self.grid_thw(sizes) if images else None  # [n_img, 3]
         videos = self.load_videos(self.video_cells(row), image_dir)
         video_grid = self.video_grid_thw(videos) if videos else None  # [n_vid, 3]
@@ -289,9 +312,9 @@ class RowPreparer:
                 ids = expand_image_tokens(ids, self.vision.image_token_id, self.tokens_per_image(sizes))
             return torch.tensor(ids, dtype=torch.long)
         # Images and frames already have the target size: do_resize=False makes the processor's
-        # resize a no-op.
+        # resize a no-op. (This reference path decodes on the driver; the fast path never does.)
         assert self.processor is not None  # a vision spec comes from a processor
-        media: dict[str, Any] = {"images": images or None}
+        media: dict[str, Any] = {"images": [decoded(image) for image in images] or None}
         if videos:
             media.update(
                 videos=[v.frames for v in videos],

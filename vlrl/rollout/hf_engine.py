@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from vlrl.batch.rows import PromptBatch, RolloutBatch
+from vlrl.data.encoded_images import decoded
 from vlrl.rollout.base import (
     RolloutEngine,
     SamplingSettings,
@@ -101,7 +102,7 @@ class HFRolloutEngine(RolloutEngine):
             return {}
         image_id, video_id = self.mm_ids
         types = input_ids.eq(image_id).int() + 2 * input_ids.eq(video_id).int()  # [N, P]
-        images = [img for row in prompts.images for _ in range(n) for img in row]
+        images = [decoded(img) for row in prompts.images for _ in range(n) for img in row]
         if not images:
             return {"mm_token_type_ids": types}
         # Images were resized by the data pipeline (their token counts are in input_ids): no resize.

@@ -17,6 +17,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from vlrl.data.encoded_images import decoded
+
 
 class ImageIds:
     """Content ids of images, each image object hashed once until `clear` (one generation call)."""
@@ -48,6 +50,7 @@ def vllm_request(
     With `image_ids`, the images carry their content ids (vLLM skips hashing their pixels)."""
     request: dict[str, Any] = {"prompt_token_ids": list(ids)}
     media: dict[str, Any] = {}
+    images = [decoded(image) for image in images]  # a rank's fetch decoded them already: a no-op
     if images:
         media["image"] = list(images)
         if image_ids is not None:

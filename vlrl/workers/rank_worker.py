@@ -28,6 +28,7 @@ from vlrl.batch.rows import (
 )
 from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
+from vlrl.data.encoded_images import decoded
 from vlrl.rewards import scores_to_token_level
 from vlrl.rewards.runner import RewardRunner
 from vlrl.rollout.base import sync_follows
@@ -87,8 +88,9 @@ class RankWorker:
         # Emptied by the update.
         self.kept_rows: list[int] = []
         self.kept: RolloutBatch | None = None
-        # under Ray, batches carry image references (vlrl.batch.image_refs); in-process, the images themselves
-        self.image_refs = ImageRefs.ray() if _under_ray() else None
+        # under Ray, batches carry image references (vlrl.batch.image_refs); in-process, the images
+        # themselves. Either way dataset images come encoded and are decoded here, once per image.
+        self.image_refs = ImageRefs.ray(local=decoded) if _under_ray() else None
         self.broadcast: WeightBroadcast | None = None  # asynchronous mode: training rank 0 and rollout ranks
         self.published: list[tuple[int, Held]] = []  # (step, batch) this rank published and still holds
         self.rewards: RewardRunner | None = None  # this rank's reward workers (`generate(score=True)`)
@@ -250,9 +252,12 @@ class RankWorker:
             self.image_refs.clear()
 
     def _fetch_media(self, batch: PromptBatch | RolloutBatch) -> None:
-        """Images and videos that came as references, fetched (once per step) in place."""
+        """Images and videos that came as references, fetched (once per step) in place; encoded
+        images decoded (by `ImageRefs`, once per reference; in-process, once per object)."""
         if self.image_refs is not None:
             self.image_refs.fetch(batch)
+        else:
+            batch.images = [[decoded(image) for image in row] for row in batch.images]
 
     def take_rows(
         self, plan: TakePlan, rows: list[int], kl_penalty: KLPenalty | None = None, with_old: bool = True

@@ -1,9 +1,9 @@
 """Vision inputs built on the worker: per-sample pixel_values / image_grid_thw, cached per step.
 
-`RolloutBatch.images` holds each sample's images, already resized by the data pipeline to the
-Qwen rule (sides multiples of patch * merge), so the image processor runs with `do_resize=False`
-when they conform: the number of patches then matches the image tokens the prompt was expanded
-with. The n samples of a GRPO group share the same PIL objects, and the old-log-prob, reference and
+`RolloutBatch.images` holds each sample's images, decoded on this rank at the size the data
+pipeline chose by the Qwen rule (sides multiples of patch * merge; `vlrl.data.encoded_images`), so
+the image processor runs with `do_resize=False` when they conform: the number of patches then
+matches the image tokens the prompt was expanded with. The n samples of a GRPO group share the same PIL objects, and the old-log-prob, reference and
 update passes of one step see the same samples, so results are cached by the identity of the
 image objects (the cache keeps the images alive, so an id cannot be reused while cached).
 
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vlrl.data.encoded_images import decoded
 from vlrl.models.packing import Anchor
 
 SampleVision = tuple[Tensor, Tensor]  # pixel_values [patches, D], image_grid_thw [images, 3]
@@ -65,7 +66,9 @@ class VisionCache:
         return self._cached(
             ("image", *(id(img) for img in images)),
             images,
-            lambda: self.image_processor(images=list(images), return_tensors="pt", do_resize=not conform),
+            lambda: self.image_processor(
+                images=[decoded(img) for img in images], return_tensors="pt", do_resize=not conform
+            ),
             ("pixel_values", "image_grid_thw"),
         )
 
