@@ -39,6 +39,17 @@ def count_update(model_dir: str, on_policy: bool = False, **overrides: Any) -> d
     return {"counts": dict(counter.counts), "where": dict(counter.where), "metrics": metrics}
 
 
+def count_log_probs(model_dir: str, **overrides: Any) -> dict[str, Any]:
+    """Sync counts of one `compute_log_probs` (the old-log-prob / reference pass)."""
+    _, processor = load_processor(model_dir)
+    config = make_config(model_dir, **overrides)
+    actor = build_actor(config, processor, "cpu", model_path=model_dir)
+    batch = make_batch(model_dir, SPECS, seed=3)
+    with SyncCounter(actor.model.device, actor.model.module) as counter:
+        actor.compute_log_probs(batch)
+    return {"counts": dict(counter.counts), "where": dict(counter.where)}
+
+
 def split_gradients(model_dir: str, results: dict[str, Any]) -> None:
     """One mini-batch's loss metrics and gradient with fixed-count micro-batches (1 and 4 rows) and
     with token budgets (the default budget, and one that splits the rows unevenly)."""
@@ -86,6 +97,15 @@ def run(rank: int, world: int, port: int, models: dict[str, str], out_dir: str) 
     results: dict[str, Any] = {}
     try:
         split_gradients(models["qwen2_5_vl"], results)
+        for micro in (8, 1):
+            results[f"log_probs/fixed/{micro}"] = count_log_probs(
+                models["qwen2"],
+                worker__actor__dynamic_batching=False,
+                worker__actor__micro_batch_size_per_device_for_experience=micro,
+            )
+            results[f"log_probs/budget/{micro}"] = count_log_probs(
+                models["qwen2"], worker__actor__micro_batch_size_per_device_for_experience=micro
+            )
         for arch, model_dir in models.items():
             for micro in (MINI_BATCH, 1):
                 results[f"{arch}/packed/{micro}"] = count_update(

@@ -65,6 +65,14 @@ def test_metrics_unchanged_by_the_split(job):
         assert four[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.parametrize("mode", ["fixed", "budget"])
+def test_log_prob_pass_reads_the_device_once(job, mode):
+    """`compute_log_probs` (old log-probs, reference): one copy of the [N, R] result to the host,
+    with 1 micro-batch or 8."""
+    one, eight = job[f"log_probs/{mode}/8"], job[f"log_probs/{mode}/1"]
+    assert _ours(one) == _ours(eight) == {"read": 1}, (one["where"], eight["where"])
+
+
 @pytest.mark.parametrize("split", ["fixed/4", "budget/default", "budget/40"])
 def test_token_budget_gradients_equal_fixed_micro_batches(job, split):
     """Same rows, same loss normalisation (per mini-batch): only the summation order differs."""

@@ -314,15 +314,17 @@ class ShardedModel:
 
         Taken on the sampling distribution at `temperature` (banned tokens removed), in micro-batches
         of `micro_batch_size` samples (default: `spec.micro_batch_size`). Every FSDP unit is
-        resharded afterwards: no backward follows to free what the forwards gathered (`reshard`)."""
+        resharded afterwards: no backward follows to free what the forwards gathered (`reshard`).
+        The result is gathered on the device and copied to the host once (a copy per micro-batch
+        would wait for the device's queue each time)."""
         self.module.eval()
         media_anchor = self.any_rank_has_media(batch)
-        out = torch.zeros(batch.responses.shape, dtype=torch.float32)
+        out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=self.device)  # [N, R]
         try:
             for rows in self.plan_micro_batches(batch, micro_batch_size or self.spec.micro_batch_size):
                 result = self.forward_micro_batch(batch.select(rows), temperature, media_anchor)
                 if rows:
-                    out[rows] = result.log_probs.cpu()
+                    out[torch.tensor(rows).to(self.device, non_blocking=True)] = result.log_probs
         finally:
             reshard(self.module)
-        return out
+        return out.cpu()
