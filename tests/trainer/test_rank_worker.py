@@ -9,6 +9,7 @@ import torch
 
 from vlrl.batch.rows import FinishedGroups, KeptRows, RolloutBatch
 from vlrl.batch.samples import StepSamples
+from vlrl.config import PPOConfig
 from vlrl.workers.rank_worker import RankWorker
 
 GROUPS = FinishedGroups(prompt_rows=[0], responses=[[7]])
@@ -35,6 +36,8 @@ def _is_batch(item: object) -> bool:
 class _Recorder:
     """Fake actor / engine: records the calls the worker makes, in order."""
 
+    weights_discarded = False  # an engine's state, not a call (a level-2 sleep would set it)
+
     def __init__(self, calls: list[str], name: str, fail_on: str | None = None) -> None:
         self.calls, self.name, self.fail_on = calls, name, fail_on
 
@@ -54,7 +57,8 @@ def _worker(
     worker = RankWorker.__new__(RankWorker)  # no process group needed for this phase
     worker.device = torch.device(device)
     worker.role, worker.image_refs, worker.rank, worker.published = "hybrid", None, rank, []
-    worker.config = SimpleNamespace(worker=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=tp)))
+    worker.config = PPOConfig()  # the defaults: one generation round, so the update's sync follows it
+    worker.config.worker.rollout.tensor_parallel_size = tp
     worker.actor = _Recorder(calls, "actor")
     worker.rollout = _Recorder(calls, "rollout", fail_on)
     return worker
@@ -182,8 +186,8 @@ def test_the_update_measures_the_ratio_from_the_configured_old_policy(old_policy
 
     worker = _worker([], "cpu")
     worker.role, worker.actor = "train", Actor()
-    worker.config.algorithm = SimpleNamespace(old_policy=old_policy, tis_cap=None)
-    worker.config.on_policy_update = False
+    algorithm = SimpleNamespace(old_policy=old_policy, tis_cap=None)
+    worker.config = SimpleNamespace(worker=worker.config.worker, algorithm=algorithm, on_policy_update=False)
     actor_old, engine = torch.full((1, 2), -1.0), torch.full((1, 2), -2.0)
     worker.kept_rows, worker.kept = [0], _rollout(engine=engine, old=actor_old)
     metrics, drift = worker.update(KeptRows([0], {}, per_row={"advantages": torch.ones(1)}))
