@@ -46,6 +46,18 @@ def output_head(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
+def check_gathered(head: nn.Module) -> None:
+    """Raise if FSDP left the head's parameters sharded (DTensors) after the forward: the head can
+    then not run outside it (the root unit must keep reshard_after_forward=False, see above)."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in head.parameters()):
+        raise RuntimeError(
+            "the lm head's parameters are sharded after the forward: the FSDP2 root unit (embeddings, "
+            "final norm, lm head) must be sharded with reshard_after_forward=False (vlrl.workers.fsdp)"
+        )
+
+
 @contextmanager
 def passthrough_head(head: nn.Module) -> Iterator[list[int]]:
     """Within the block, `head(x)` returns x (the model's `.logits` are then its hidden states).

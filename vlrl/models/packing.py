@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vlrl.models.attention import make_varlen_info
-from vlrl.models.lm_head import output_head, passthrough_head
+from vlrl.models.lm_head import check_gathered, output_head, passthrough_head
 from vlrl.models.sampling import SamplingDistribution
 from vlrl.models.shared_images import IMAGE_INDEX_KWARG, IMAGE_ROWS_KWARG, VIDEO_INDEX_KWARG
 from vlrl.models.ulysses import SequenceParallel, gather_tokens, token_bounds
@@ -458,6 +458,7 @@ def _model_outputs(model: nn.Module, inputs: ForwardInputs) -> tuple[Tensor, nn.
             f"{type(model).__name__}'s forward called its lm head {calls[0]} times instead of once: "
             "its logits cannot be computed per chunk of tokens"
         )
+    check_gathered(head)
     return hidden, head
 
 
