@@ -561,6 +561,12 @@ class TrainerConfig(_Section):
     """Resume from this checkpoint (a `global_step_N` folder)."""
     find_last_checkpoint: bool = True
     """Resume from the newest complete checkpoint in `save_checkpoint_path` when one exists."""
+    overwrite_checkpoints: bool = False
+    """Let a run that does not resume (`find_last_checkpoint=false`, or `load_checkpoint_path` outside
+    the folder) start in a `save_checkpoint_path` holding an earlier run's checkpoints; without it
+    such a run stops at start-up. They are kept until this run's first checkpoint is complete, then
+    removed with their tracker, so the folder never mixes two runs and a run that fails earlier loses
+    nothing (`logs/` is kept and appended to). A run that resumes from the folder ignores it."""
     ray_timeline: str | None = None
     """Write Ray's task timeline (Chrome trace JSON) to this file at the end of the run."""
     plot_path: str | None = None

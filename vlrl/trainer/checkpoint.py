@@ -13,6 +13,12 @@ A crash (or kill -9) at any moment leaves either the previous complete checkpoin
 Resuming takes the newest of vlrl's checkpoints whose files match their checksums; one that does not
 is named and skipped (never loaded), and when none matches the run stops rather than start over.
 
+A new run never overwrites another run's checkpoints unasked: at start-up (`open_run_folder`, before
+the data or any model loads) a folder holding vlrl checkpoints must be resumed from
+(`trainer.find_last_checkpoint`, or `trainer.load_checkpoint_path` inside it), or replaced on
+purpose (`trainer.overwrite_checkpoints`: they are removed together once this run's first
+checkpoint is complete), or the run stops naming the choices (`folder_use`).
+
 Checkpoints vlrl did not write (a `global_step_N` with neither trainer state nor checksums and not
 in vlrl's tracker, e.g. EasyR1's, and EasyR1's `checkpoint_tracker.json`) are never deleted or
 overwritten: they are reported at start-up, vlrl's tracker then goes to
@@ -30,8 +36,9 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from vlrl.config.schema import ConfigError
 from vlrl.utils.checkpoint_files import (
     MANIFEST,
     PROBE_PREFIX,
@@ -43,12 +50,16 @@ from vlrl.utils.checkpoint_files import (
     write_manifest,
 )
 
+if TYPE_CHECKING:
+    from vlrl.config.schema import TrainerConfig
+
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 TRACKER = "checkpoint_tracker.json"
 OWN_TRACKER = "vlrl_checkpoint_tracker.json"  # used when TRACKER belongs to another trainer
 STATE = "trainer_state.json"
 logger = logging.getLogger(__name__)
 
+FolderUse = Literal["resume", "new", "replace"]  # `folder_use`'s answer
 Digest = Callable[[str], dict[str, dict[str, Any]]]  # folder -> the manifest's file table
 Verify = Callable[[str, dict[str, dict[str, Any]]], list[str]]  # (folder, table) -> problems
 
@@ -72,6 +83,7 @@ class CheckpointManager:
         self.lock = RunLock(root)  # first: nothing below may touch a folder another run uses
         self.run_tag = uuid.uuid4().hex[:8]  # names this run's save-in-progress folders
         self.saved: str | None = None  # the newest checkpoint this run wrote
+        self.replaces: list[int] = []  # an earlier run's steps, removed at this run's first save (`claim`)
         self._remove_leftovers()
         self.tracker_path = os.path.join(root, TRACKER if self._tracker_is_ours(TRACKER) else OWN_TRACKER)
         self.tracker = self._read_tracker()
@@ -147,6 +159,43 @@ class CheckpointManager:
             names.append(TRACKER)
         return names
 
+    def claim(
+        self,
+        load_checkpoint_path: str | None,
+        find_last_checkpoint: bool,
+        overwrite: bool,
+        saves: bool = True,
+    ) -> FolderUse:
+        """Decide at start-up how this run uses the folder (`folder_use`; it raises when the run would
+        overwrite an earlier run's checkpoints unasked) and prepare for it."""
+        earlier = self.own_steps()
+        use = folder_use(self.root, earlier, load_checkpoint_path, find_last_checkpoint, overwrite, saves)
+        if use == "new" and not earlier:  # a tracker whose checkpoints were removed by hand names no best
+            self.tracker = {"latest": None, "best": None, "best_score": None, "steps": []}
+        elif use == "replace":
+            # The tracker stays until then: it tells the earlier run's damaged checkpoints from
+            # another trainer's (`_is_ours`), which `check_no_collisions` must not confuse.
+            self.replaces = earlier
+            logger.warning(
+                "trainer.overwrite_checkpoints=true: this run starts anew in %s; the earlier run's checkpoints (%s) "
+                "are kept until this run's first checkpoint is complete, then removed",
+                self.root,
+                _step_names(earlier),
+            )
+        return use
+
+    def _remove_replaced(self) -> None:
+        """The earlier run's checkpoints and tracker, once this run has a complete checkpoint of its own
+        (still in its temporary folder): the folder then never mixes two runs' checkpoints."""
+        for step in self.replaces:
+            shutil.rmtree(os.path.join(self.root, f"global_step_{step}"), ignore_errors=True)
+        logger.info(
+            "removed the earlier run's checkpoints (%s) from %s", _step_names(self.replaces), self.root
+        )
+        self.replaces = []
+        self.tracker = {"latest": None, "best": None, "best_score": None, "steps": []}
+        _write_json_atomic(self.tracker_path, self.tracker)
+
     def check_no_collisions(self, planned_steps: list[int]) -> None:
         """Fail (at start-up) when this run would save a step whose folder another trainer wrote."""
         clash = sorted(set(self.foreign_steps()) & set(planned_steps))
@@ -182,8 +231,9 @@ class CheckpointManager:
             raise CorruptCheckpoint(
                 f"no checkpoint in {self.root} passes its checks ({', '.join(f'global_step_{s}' for s in steps)}; "
                 "the problems are logged above): rather than start again from step 1, the run stops. Restore the "
-                "files, or set trainer.find_last_checkpoint=false (or another trainer.save_checkpoint_path) to "
-                "start a new run"
+                "files, or start a new run: in another folder (trainer.save_checkpoint_path), or in this one "
+                "with trainer.find_last_checkpoint=false trainer.overwrite_checkpoints=true (which removes "
+                "these checkpoints once the new run's first one is saved)"
             )
         return None
 
@@ -213,6 +263,8 @@ class CheckpointManager:
             if _out_of_space(exc):
                 raise OSError(errno.ENOSPC, self._no_space_message(step)) from None
             raise
+        if self.replaces:
+            self._remove_replaced()
         shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step (e.g. after resume)
         os.replace(tmp, final)  # the commit point
         self.saved = final
@@ -225,9 +277,15 @@ class CheckpointManager:
         size = (
             f"; the previous checkpoint takes {_folder_bytes(previous) / 2**30:.2f} GiB" if previous else ""
         )
+        earlier = (
+            f"; the earlier run's checkpoints ({_step_names(self.replaces)}) are still there (trainer.overwrite_checkpoints "
+            "removes them only once this run's first checkpoint is complete)"
+            if self.replaces
+            else ""
+        )
         return (
             f"no space left on the device of {self.root} while saving global_step_{step} (its partial "
-            f"folder is removed{size}): free space there, lower trainer.save_limit, or point "
+            f"folder is removed{size}{earlier}): free space there, lower trainer.save_limit, or point "
             "trainer.save_checkpoint_path at a larger disk"
         )
 
@@ -254,6 +312,77 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.lock.release()
+
+
+def open_run_folder(trainer: TrainerConfig) -> CheckpointManager:
+    """The run's checkpoint folder, locked, and its use decided (`CheckpointManager.claim`): the first
+    act of a run, so that a refusal comes in seconds, before the data or any model loads."""
+    assert trainer.save_checkpoint_path is not None  # PPOConfig.finalize() fills it in
+    manager = CheckpointManager(trainer.save_checkpoint_path, trainer.save_limit)
+    try:
+        manager.claim(
+            trainer.load_checkpoint_path,
+            trainer.find_last_checkpoint,
+            trainer.overwrite_checkpoints,
+            saves=not trainer.val_only,  # validating only writes no checkpoint
+        )
+    except BaseException:
+        manager.close()
+        raise
+    return manager
+
+
+def folder_use(
+    root: str,
+    earlier_steps: list[int],
+    load_checkpoint_path: str | None,
+    find_last_checkpoint: bool,
+    overwrite: bool,
+    saves: bool = True,
+) -> FolderUse:
+    """How a run uses its checkpoint folder `root`, which holds vlrl checkpoints of `earlier_steps`:
+
+    "new": the folder holds none, or this run neither resumes nor `saves` (trainer.val_only);
+    "resume": it resumes from one of them (`find_last_checkpoint` without `load_checkpoint_path`, or
+        `load_checkpoint_path` inside `root`), continuing that run;
+    "replace": it starts anew and `overwrite` (trainer.overwrite_checkpoints) says to replace them.
+    Otherwise a ConfigError naming the folder and the choices: the run's saves would silently
+    overwrite the earlier run's folders of the same steps, and leave the others mixed with its own."""
+    if not earlier_steps:
+        return "new"
+    if load_checkpoint_path is not None:
+        if _inside(load_checkpoint_path, root):
+            return "resume"
+        reason = f"it starts from trainer.load_checkpoint_path={load_checkpoint_path}, outside it"
+    elif find_last_checkpoint:
+        return "resume"
+    else:
+        reason = "trainer.find_last_checkpoint=false: it starts anew"
+    if not saves:
+        return "new"
+    if overwrite:
+        return "replace"
+    raise ConfigError(
+        f"trainer.save_checkpoint_path={root} holds an earlier run's checkpoints ({_step_names(earlier_steps)}) "
+        f"and this run does not resume from them ({reason}): its saves would overwrite them. Choose one: "
+        "resume that run (trainer.find_last_checkpoint=true, without trainer.load_checkpoint_path); save "
+        "into another folder (trainer.save_checkpoint_path=..., or another trainer.experiment_name when "
+        "the path is not set); or replace them (trainer.overwrite_checkpoints=true: they are removed once "
+        "this run's first checkpoint is complete)"
+    )
+
+
+def _inside(path: str, root: str) -> bool:
+    """`path` is `root` or under it (links resolved: the same folder under two names is one folder)."""
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([path, root]) == root
+
+
+def _step_names(steps: list[int]) -> str:
+    """`global_step_N` folder names for a message; a long list by its ends and count."""
+    if len(steps) > 4:
+        return f"{len(steps)} checkpoints, global_step_{steps[0]} to global_step_{steps[-1]}"
+    return ", ".join(f"global_step_{s}" for s in steps)
 
 
 def check_checkpoint(folder: str, verify: Verify = verify_files) -> list[str]:

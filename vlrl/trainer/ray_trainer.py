@@ -5,7 +5,7 @@ from __future__ import annotations
 from vlrl.batch.image_refs import ImageRefs
 from vlrl.config import PPOConfig
 from vlrl.rewards import RewardRunner
-from vlrl.trainer.checkpoint import CheckpointManager
+from vlrl.trainer.checkpoint import open_run_folder
 from vlrl.trainer.data_setup import TrainingData
 from vlrl.trainer.ppo_trainer import PPOTrainer
 from vlrl.trainer.ranks import RankRoles
@@ -13,11 +13,10 @@ from vlrl.trainer.ray_workers import start_rank_groups, start_ray
 
 
 def build_trainer(config: PPOConfig) -> PPOTrainer:
-    """The checkpoint folder's lock first (a second run on it stops at once), data and rewards next (a
-    bad dataset or reward file fails before Ray starts), then Ray and the rank workers, started by
-    the trainer once its own checks passed."""
-    assert config.trainer.save_checkpoint_path is not None  # PPOConfig.finalize() fills it in
-    checkpoints = CheckpointManager(config.trainer.save_checkpoint_path, config.trainer.save_limit)
+    """The checkpoint folder's lock and use first (a second run on it, or a new run over an earlier
+    run's checkpoints, stops at once), data and rewards next (a bad dataset or reward file fails
+    before Ray starts), then Ray and the rank workers, started by the trainer once its own checks passed."""
+    checkpoints = open_run_folder(config.trainer)
     data = TrainingData(config)
     rewards = RewardRunner(config.worker.reward)
 
