@@ -6,7 +6,9 @@ through a flat actor (fsdp_size -1: one 1-D mesh of 4) and a hybrid one (fsdp_si
 of 2 ranks each get half the rows). Their log-probs, update metrics (loss, grad norm) over a few
 optimizer steps and final weights must agree; so must a LoRA actor's (flat vs hybrid) and a hybrid
 reference's log-probs. The hybrid actor then goes through full_state_dict, the rollout weight
-sync's gathered tensors, the non-finite weight check and a checkpoint round trip.
+sync's gathered tensors, the non-finite weight check and a checkpoint round trip. Last, flat and
+hybrid again with 2 micro-batches per mini-batch: gradients, training and the count of
+cross-replica all-reduces (once per mini-batch, on the last micro-batch's backward).
 Each rank stores plain numbers in `results`; rank files are read back by the test.
 """
 
@@ -19,13 +21,15 @@ import torch
 import torch.distributed as dist
 from actor_helpers import init_gloo, make_config
 from actor_multirank_job import full_params, max_diff, training_batch
+from torch.distributed.fsdp import FSDPModule
 from ulysses_job import SPLIT, SPLIT4
 
+from vlrl.batch.rows import RolloutBatch
 from vlrl.models.processor import load_processor
 from vlrl.rollout.weight_sync import full_named_tensors
-from vlrl.workers.actor import Actor
+from vlrl.workers.actor import Actor, _UpdateStats, gathered_grads
 from vlrl.workers.from_config import build_actor
-from vlrl.workers.fsdp import full_state_dict
+from vlrl.workers.fsdp import full_state_dict, pending_replica_reduce
 from vlrl.workers.reference import Reference
 from vlrl.workers.sharded_model import ShardSpec
 
@@ -33,12 +37,18 @@ TEMPERATURE = 0.9
 STEPS = 3  # update_policy calls; one optimizer step each (8 rows per step, 2 per rank)
 
 
-def hybrid_actor(model_dir: str, fsdp_size: int, sp: int = 1, lora_rank: int = 0) -> Actor:
+def hybrid_actor(
+    model_dir: str, fsdp_size: int, sp: int = 1, lora_rank: int = 0, micro_rows: int | None = None
+) -> Actor:
+    """`micro_rows`: fixed micro-batches of that many rows (dynamic batching off); None: the default."""
+    fixed = {} if micro_rows is None else {
+        "worker__actor__dynamic_batching": False, "worker__actor__micro_batch_size_per_device_for_update": micro_rows,
+    }  # fmt: skip
     config = make_config(
         model_dir, 4, worker__rollout__temperature=TEMPERATURE, algorithm__use_kl_loss=True,
         algorithm__kl_penalty="low_var_kl", algorithm__kl_coef=0.1, worker__actor__fsdp__fsdp_size=fsdp_size,
         worker__actor__ulysses_size=sp, worker__actor__model__lora__rank=lora_rank,
-        worker__actor__model__lora__alpha=8,
+        worker__actor__model__lora__alpha=8, **fixed,
     )  # fmt: skip
     torch.manual_seed(0)  # the LoRA A factors: rank 0 draws them, the same for both actors
     return build_actor(config, load_processor(model_dir)[1], "cpu", model_path=model_dir)
@@ -143,6 +153,66 @@ def check_lora(model_dir: str, rank: int, results: dict[str, Any]) -> None:
     results["lora/merged_keys_match"] = set(merged["hybrid"]) == set(merged["flat"])
 
 
+class ReplicaAllReduces:
+    """Counts `dist.all_reduce` calls on this rank's replicate group (the mesh's dim 0: FSDP2's
+    cross-replica gradient all-reduce, _fsdp_collectives.py `foreach_reduce`) while installed."""
+
+    def __init__(self, actor: Actor) -> None:
+        mesh = next(actor.model.module.parameters()).device_mesh
+        self.ranks = dist.get_process_group_ranks(mesh.get_group("replicate"))
+        self.calls = 0
+        self.original = dist.all_reduce
+
+    def __enter__(self) -> ReplicaAllReduces:
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            if group is not None and dist.get_process_group_ranks(group) == self.ranks:
+                self.calls += 1
+            return self.original(tensor, *args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self.original
+
+
+def first_gradients(actor: Actor, mine: RolloutBatch) -> dict[str, torch.Tensor]:
+    """The gathered gradients of one mini-batch (all of `mine`), before any optimizer step."""
+    actor.model.module.train()
+    actor.forward_backward(mine, _UpdateStats(with_kl_loss=True), actor.model.any_rank_has_media(mine))
+    grads = gathered_grads(actor.model.module)
+    actor.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def check_micro_batches(model_dir: str, rank: int, results: dict[str, Any]) -> None:
+    """Mini-batches of 2 micro-batches per rank (1 row each): hybrid gives flat's gradients, losses
+    and weights, with one cross-replica all-reduce per FSDP unit per mini-batch (not per micro-batch)."""
+    mine = training_batch(model_dir).select(SPLIT4[rank])
+    out: dict[str, Any] = {}
+    for name, fsdp_size in (("flat", -1), ("hybrid", 2)):
+        actor = hybrid_actor(model_dir, fsdp_size, micro_rows=1)
+        out[f"{name}/micro_batches"] = len(actor.model.plan_micro_batches(mine, 1))
+        out[f"{name}/grads"] = first_gradients(actor, mine)
+        if fsdp_size == -1:
+            out["flat/trained"] = train(actor, SPLIT4[rank], model_dir)
+            continue
+        with ReplicaAllReduces(actor) as counter:
+            out["hybrid/trained"] = train(actor, SPLIT4[rank], model_dir)
+        results["micro/replica_all_reduces"] = counter.calls
+        results["micro/fsdp_units"] = sum(isinstance(m, FSDPModule) for m in actor.model.module.modules())
+        results["micro/pending"] = pending_replica_reduce(actor.model.module)
+        results["micro/mini_batches"] = STEPS  # one per update_policy
+    results["micro/micro_batches"] = [out["flat/micro_batches"], out["hybrid/micro_batches"]]
+    results["micro/grad_norm"] = max(float(g.abs().max()) for g in out["flat/grads"].values())
+    results["micro/grads_err"] = max_diff(out["hybrid/grads"], out["flat/grads"])
+    flat, hybrid = out["flat/trained"], out["hybrid/trained"]
+    for key in ("losses", "grad_norms"):
+        results[f"micro/flat/{key}"], results[f"micro/hybrid/{key}"] = flat[key], hybrid[key]
+    results["micro/weights_err"] = max_diff(hybrid["weights"], flat["weights"])
+
+
 def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     init_gloo(rank, world, port)
     results: dict[str, Any] = {}
@@ -165,6 +235,7 @@ def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
         results["ulysses/losses"], results["ulysses/grad_norms"] = sp["losses"], sp["grad_norms"]
         results["ulysses/weights_err"] = max_diff(sp["weights"], flat["weights"])
         check_lora(model_dir, rank, results)
+        check_micro_batches(model_dir, rank, results)
     finally:
         dist.destroy_process_group()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -81,3 +81,19 @@ def test_checkpoint_round_trip_is_exact(job):
         assert r["ckpt_weights_err"] == 0.0
         assert r["ckpt_optim_err"] == 0.0
         assert r["ckpt_resume_err"] == 0.0
+
+
+def test_micro_batches_all_reduce_across_replicas_once_per_mini_batch(job):
+    """2 micro-batches per rank per mini-batch: the replicas' all-reduce runs on the last one only
+    (vlrl.workers.fsdp.set_replica_all_reduce), with the same gradients and training as flat."""
+    for r in job:
+        assert r["micro/micro_batches"] == [2, 2]
+        assert r["micro/grad_norm"] > 0
+        assert r["micro/grads_err"] < 1e-5
+        for key in ("losses", "grad_norms"):
+            flat, hybrid = r[f"micro/flat/{key}"], r[f"micro/hybrid/{key}"]
+            assert hybrid == pytest.approx(flat, rel=REL, abs=1e-6), key
+        assert r["micro/weights_err"] < 1e-5
+        # one all-reduce per FSDP unit (each has trainable weights) per mini-batch
+        assert r["micro/replica_all_reduces"] == r["micro/fsdp_units"] * r["micro/mini_batches"]
+        assert r["micro/pending"] is False

@@ -10,6 +10,7 @@ Update of one step's rows on this rank (`update_policy`):
                  mini-batch totals, so the micro-batch losses of all ranks SUM to the mini-batch loss
           backward(loss * world_size)    # FSDP averages grads over ranks; x W turns it into the sum
                                          # (x world / ulysses_size with sequence parallelism)
+                                         # hybrid sharding: the replicas' all-reduce on the last only
         clip the global grad norm, skip the step if it is not finite, step the LR schedule
 
 So the gradient does not depend on how rows are split into ranks and micro-batches
@@ -53,7 +54,15 @@ from vlrl.workers.checkpoint_io import (
     set_rng_state,
     state_placement,
 )
-from vlrl.workers.fsdp import fsdp_offloads_to_cpu, full_state_dict, move_optimizer_state, move_params
+from vlrl.workers.fsdp import (
+    fsdp_offloads_to_cpu,
+    full_state_dict,
+    is_hybrid,
+    move_optimizer_state,
+    move_params,
+    pending_replica_reduce,
+    set_replica_all_reduce,
+)
 from vlrl.workers.optim import (
     any_nonfinite,
     build_lr_scheduler,
@@ -316,7 +325,12 @@ class Actor:
             "num_tokens": num_tokens,
             "num_seqs": num_seqs,
         }
-        for rows in model.plan_micro_batches(mini, cfg.micro_batch_size_per_device_for_update):
+        plan = model.plan_micro_batches(mini, cfg.micro_batch_size_per_device_for_update)
+        # HSDP: the cross-replica all-reduce only on the last micro-batch's backward (vlrl.workers.fsdp)
+        defer = len(plan) > 1 and is_hybrid(model.module)
+        for index, rows in enumerate(plan):
+            if defer:
+                set_replica_all_reduce(model.module, index == len(plan) - 1)
             mb = mini.select(rows)
             out = model.forward_micro_batch(
                 mb, self.temperature, image_anchor, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0
@@ -357,6 +371,11 @@ class Actor:
             entropy_sum = torch.where(valid, entropy_all.detach(), 0.0).sum()
             # the group's ranks each add the same loss: count it once
             stats.add_micro(metrics, entropy_sum, valid.sum(), pg.detach() / sp, kl.detach() / sp)
+        if defer and pending_replica_reduce(model.module):
+            raise RuntimeError(
+                "an FSDP unit got gradients on an earlier micro-batch but none on the last one, so "
+                "they were never all-reduced across replicas (hybrid sharding)"
+            )
         return computed
 
     def optimizer_step(self, stats: _UpdateStats) -> None:

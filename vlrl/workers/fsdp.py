@@ -9,7 +9,9 @@ full copy split into S shards, and the rows are replicas. FSDP2 reads a 2-D mesh
 replicate dim 0; placements `(Replicate(), Shard(0))`): parameter all-gathers and gradient
 reduce-scatters run inside a row, and one extra all-reduce of each reduce-scattered gradient
 shard runs down a column (_fsdp_collectives.py `foreach_reduce`). Both reductions average, so a
-gradient is still the mean over all W ranks (`_get_gradient_divide_factors`).
+gradient is still the mean over all W ranks (`_get_gradient_divide_factors`). The actor runs that
+all-reduce once per mini-batch, on its last micro-batch's backward (`set_replica_all_reduce`);
+the reduce-scatter runs on every micro-batch, so gradients stay sharded.
 
 Units: every module whose class is listed in the model's `_no_split_modules` (decoder layers and
 vision blocks), then the vision tower as a whole (patch embed + merger), then the root (embeddings,
@@ -135,6 +137,43 @@ def apply_fsdp(
     # forward without backward by `reshard`).
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     return model
+
+
+def is_hybrid(model: torch.nn.Module) -> bool:
+    """Whether `model` is sharded over a 2-D (replicate, shard) mesh (HSDP, see `build_mesh`)."""
+    param = next(model.parameters(), None)
+    mesh = getattr(param, "device_mesh", None)
+    return mesh is not None and mesh.ndim == 2
+
+
+def set_replica_all_reduce(model: torch.nn.Module, enabled: bool) -> None:
+    """HSDP: whether the next backward all-reduces the gradients across replicas (every FSDP unit).
+
+    torch 2.13, torch/distributed/fsdp/_fully_shard/_fully_shard.py `set_requires_all_reduce`
+    sets each param group's `all_reduce_grads`; the reduce-scatter inside the shard group still
+    runs on every backward (`set_requires_gradient_sync(False)` would skip it too and keep the
+    unsharded gradients, a full copy per unit). With it off, _fsdp_collectives.py `foreach_reduce`
+    adds the reduce-scattered shard into the group's `_partial_reduce_output` (the size of the
+    unit's gradient shard, in the reduce dtype) instead of `.grad`; the next backward with it on
+    adds that partial sum before its one all-reduce. So gradient accumulation over k micro-batches
+    costs one cross-replica all-reduce instead of k, and no more memory: the shard-sized partial
+    stands in for the `.grad` shard that is only written on the all-reduced backward."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(enabled)  # recurses into every FSDP unit
+
+
+def pending_replica_reduce(model: torch.nn.Module) -> bool:
+    """Whether some FSDP unit still holds a reduce-scattered gradient not yet all-reduced across
+    replicas (`set_replica_all_reduce`): the gradient of those micro-batches would miss the step.
+
+    Reads the param groups' `_partial_reduce_output` (torch 2.13 _fsdp_param_group.py; reset to
+    None by the all-reducing backward, `foreach_reduce`'s last return value)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            if any(getattr(g, "_partial_reduce_output", None) is not None for g in groups):
+                return True
+    return False
 
 
 def reshard(model: torch.nn.Module) -> None:
