@@ -13,8 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from vlrl.tools.gpu_check.cli import CHECKS, CheckSpec, run_suite, select
-from vlrl.tools.gpu_check.report import CheckTimeout, build_report, format_table, run_check, time_limit
+from vlrl.tools.gpu_check.cli import ALL_CHECKS, CHECKS, PRESETS, CheckSpec, run_suite, select, time_plan
+from vlrl.tools.gpu_check.report import (
+    CheckTimeout,
+    build_report,
+    format_markdown,
+    format_table,
+    run_check,
+    time_limit,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # Not installed on the GPU machine (shared/ENVIRONMENT.md): the suite must never import them.
@@ -50,7 +57,7 @@ def test_help_lists_every_check_without_the_missing_packages() -> None:
         "import sys, runpy; sys.argv = ['gpu_check', '--help']; runpy.run_module('vlrl.tools.gpu_check', run_name='__main__')"
     )
     assert proc.returncode == 0, proc.stderr
-    for name in CHECKS:
+    for name in ALL_CHECKS:
         assert name in proc.stdout
 
 
@@ -80,7 +87,11 @@ def _slow(ctx, outcome) -> None:
 
 
 def test_time_limits_fit_the_ten_minute_budget() -> None:
-    assert sum(spec.limit_s for spec in CHECKS.values()) <= 570
+    """Every preset is one run of at most 10 minutes on one GPU (570 s of limits + start-up)."""
+    for preset in PRESETS.values():
+        assert sum(spec.limit_s for spec in preset.values()) <= 570
+    plan = time_plan(list(PRESETS["scale"].values()))
+    assert "logprob_memory" in plan and "update_mfu" in plan and "total              at most   500 s" in plan
 
 
 def test_a_raising_check_is_recorded_and_the_others_still_run() -> None:
@@ -242,3 +253,54 @@ def test_attention_check_catches_a_backend_that_mixes_sequences(tmp_path: Path, 
     check_attention(Context(torch.device("cpu"), small=True, workdir=tmp_path), outcome)
     assert outcome.failures and all(f.startswith("mask:") for f in outcome.failures), outcome.failures
     assert outcome.summary["mask_max_err"] > 0.1 and outcome.summary["loop_max_err"] < 0.1
+
+
+def test_scale_estimates() -> None:
+    """The full-logits estimate, the layers "every_k:2" leaves un-checkpointed and the lighter
+    policy's budget (largest power of two whose kept activations fit)."""
+    from vlrl.tools.gpu_check.scale_check import full_logits_bytes, kept_layers, light_budget
+
+    assert full_logits_bytes(16 * 8192, 151936) == 16 * 8192 * 151936 * 2  # 39.8 GB of bf16 logits
+    assert kept_layers(36, 1) == 0 and kept_layers(36, 2) == 18 and kept_layers(36, 4) == 27
+    per_token = 117 * 1024
+    assert light_budget(8 * 2**30, per_token, 18, 16384) == 2048  # 8 GiB / (18 x 117 KiB) = 3,983 tokens
+    assert light_budget(64 * 2**30, per_token, 18, 16384) == 16384  # capped at the "all" budget
+    assert light_budget(0, per_token, 18, 16384) == 0
+    assert light_budget(0, per_token, 0, 16384) == 16384  # nothing kept: no activation cost
+
+
+def test_full_cpu_run_of_the_scale_preset(tmp_path: Path) -> None:
+    """`--preset scale` on CPU (tiny stand-in, missing GPU-machine packages blocked): both checks
+    pass, the update runs "all", the lighter policy and "all" at its budget, and the JSON and
+    Markdown reports carry the goal lines."""
+    out = tmp_path / "scale.json"
+    code = "import sys; from vlrl.tools.gpu_check.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = ("--preset", "scale", "--device", "cpu", "--out", str(out), "--workdir", str(tmp_path / "w"))
+    proc = _python(code, *args, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "time budget" in proc.stdout and "at most   600 s" in proc.stdout  # 200 s x the CPU scale 3
+    report = json.loads(out.read_text())
+    checks = {c["name"]: c for c in report["checks"]}
+    assert list(checks) == ["logprob_memory", "update_mfu"] and report["ok"] is True
+    update = checks["update_mfu"]["details"]
+    assert update["all"]["checkpointed_layers"] == [2, 2]  # vision blocks and decoder layers
+    assert update["every_k:2"]["checkpointed_layers"] == [1, 1]
+    assert update["all"]["token_budget"] == 64 and update["every_k:2"]["token_budget"] == 32
+    assert len(update["every_k:2"]["micro_batches"]) >= len(update["all"]["micro_batches"]) > 1
+    assert "all@32" in update and update["all@32"]["checkpointed_layers"] == [2, 2]
+    logprob = checks["logprob_memory"]
+    assert logprob["summary"]["vocab"] == 2048 and logprob["details"]["full_logits_estimate_mib"] > 0
+    markdown = (tmp_path / "scale.md").read_text()
+    assert "## Goals" in markdown and "update MFU >= 35% (checkpointing 'all', 64-token" in markdown
+    assert "full bf16 logits would take" in markdown
+
+
+def test_markdown_lists_goals_and_failures() -> None:
+    from vlrl.tools.gpu_check.report import CheckResult
+
+    ok = CheckResult("a", "pass", 1.0, {"mfu": 0.1}, {"goal_lines": ["MFU >= 35%: NOT met (10.0%)"]}, [])
+    bad = CheckResult("b", "fail", 2.0, {}, {}, ["too slow | really"], error="RuntimeError: boom")
+    text = format_markdown(build_report([ok, bad], {"complete": True}, {"torch": "2.11"}))
+    assert "| a | pass | 1.0 | mfu=0.1 |" in text
+    assert "- a: MFU >= 35%: NOT met (10.0%)" in text
+    assert "- b: too slow / really" in text and "- b: RuntimeError: boom" in text

@@ -17,7 +17,9 @@ from vlrl.tools.gpu_check.report import (
     build_report,
     environment,
     format_table,
+    markdown_path,
     run_check,
+    write_markdown,
     write_report,
 )
 
@@ -62,6 +64,22 @@ CHECKS = {
                   "where vLLM is installed: runner, generate_stream, sleep/sync/wake memory, TP=2 on 2 GPUs"),
     )
 }  # fmt: skip
+# The "at GPU scale" measurements (issue "At GPU scale"), a run of their own: `--preset scale`. The
+# 3B-shaped model folder is written once and shared (Context.shaped_3b_model); 200 + 300 s of
+# limits, so the run ends within 10 minutes with start-up and the model's build included.
+SCALE_CHECKS = {
+    spec.name: spec
+    for spec in (
+        CheckSpec("logprob_memory", f"{_PKG}.scale_check:check_logprob_memory", 200,
+                  "3B shapes, 152k vocab: builds the model; log-prob pass of 16 rows x 8k-token responses, "
+                  "peak memory vs full-logits estimate"),
+        CheckSpec("update_mfu", f"{_PKG}.scale_check:check_update_mfu", 300,
+                  "3B shapes: update MFU with 16k-token micro-batches, checkpointing 'all' then 'every_k:2'; "
+                  "peak memory, allocator retries"),
+    )
+}  # fmt: skip
+ALL_CHECKS = {**CHECKS, **SCALE_CHECKS}
+PRESETS = {"acceptance": CHECKS, "scale": SCALE_CHECKS}
 
 
 # import name -> what to install. torchvision: transformers' Qwen-VL video processors require it
@@ -107,7 +125,7 @@ def run_suite(
     that dies later (a CUDA fault, a killed job) still leaves the results it had."""
     results: list[CheckResult] = []
     for spec in specs:
-        log(f"[gpu_check] {spec.name}: {spec.what}")
+        log(f"[gpu_check] {spec.name} (limit {spec.limit_s * limit_scale:.0f} s): {spec.what}")
         try:
             check = spec.load()
         except Exception as err:  # noqa: BLE001 (an import error is this check's failure only)
@@ -119,6 +137,14 @@ def run_suite(
         if on_result is not None:
             on_result(results)
     return results
+
+
+def time_plan(specs: list[CheckSpec], limit_scale: float = 1.0) -> str:
+    """The time budget of each part and the total, printed before anything runs."""
+    parts = [f"  {s.name:<18} at most {s.limit_s * limit_scale:5.0f} s  {s.what}" for s in specs]
+    total = sum(s.limit_s for s in specs) * limit_scale
+    return "\n".join(["[gpu_check] time budget (each part stops at its limit):", *parts,
+                      f"  {'total':<18} at most {total:5.0f} s (+ start-up and the report)"])  # fmt: skip
 
 
 def _release_memory() -> None:
@@ -139,7 +165,11 @@ def _raiser(err: Exception) -> Callable[[Any, Any], None]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    listing = "\n".join(f"  {s.name:<18} {s.what} (limit {s.limit_s:.0f} s)" for s in CHECKS.values())
+    listing = "\n".join(
+        f"  {s.name:<18} {s.what} (limit {s.limit_s:.0f} s)"
+        + ("" if s.name in CHECKS else " [--preset scale]")
+        for s in ALL_CHECKS.values()
+    )
     parser = argparse.ArgumentParser(
         prog="python -m vlrl.tools.gpu_check",
         description="GPU acceptance check of vlrl on one GPU (see docs/gpu.md). Needs torch, torchvision,\n"
@@ -149,9 +179,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--out", default="gpu_check_report.json", help="JSON report path (default: %(default)s)"
+        "--out",
+        default="gpu_check_report.json",
+        help="JSON report path (default: %(default)s); the Markdown report goes next to it (.md)",
     )
-    parser.add_argument("--only", default=None, help="comma-separated check names (default: all)")
+    parser.add_argument(
+        "--only", default=None, help="comma-separated check names of any preset (default: the preset's)"
+    )
+    parser.add_argument("--preset", default="acceptance", choices=tuple(PRESETS),
+                        help="acceptance: the correctness suite (default); scale: update MFU and log-prob memory "
+                        "at 3B shapes. Each fits 10 minutes")  # fmt: skip
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                         help="cuda (the real check), cpu (self-test of the suite; implies --small), auto")  # fmt: skip
     parser.add_argument(
@@ -173,7 +210,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the selected checks, write the report, print the table; exit status 1 if a check failed."""
     args = parse_args(argv)
-    specs = select(args.only)
+    specs = select(args.only, ALL_CHECKS) if args.only else list(PRESETS[args.preset].values())
     missing = missing_packages(specs)
     if missing:  # found in a second, not after the first check has written a 7.5 GB model
         raise SystemExit(f"gpu_check needs these packages, not installed here: {', '.join(missing)}")
@@ -204,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     options = {
         "device": args.device,
         "small": small,
+        "preset": None if args.only else args.preset,
         "only": [s.name for s in specs],
         "seed": args.seed,
         "limit_scale": scale,
@@ -217,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         options["complete"] = len(results) == len(specs)
         report = build_report(results, options, env)
         write_report(report, args.out)
+        write_markdown(report, markdown_path(args.out))
         return report
 
+    print(time_plan(specs, scale))
     with tempfile.TemporaryDirectory(prefix="vlrl_gpu_check_") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -227,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_suite(specs, ctx, scale, on_result=save)
     report = save(results)
     print(format_table(report))
-    print(f"report written to {args.out}")
+    print(f"report written to {args.out} and {markdown_path(args.out)}")
     return 0 if report["ok"] else 1
 
 

@@ -204,3 +204,45 @@ def format_table(report: dict[str, Any], width: int = 110) -> str:
     lines.append("-" * width)
     lines.append("ALL PASSED" if report["ok"] else "SOME CHECKS FAILED (details in the JSON report)")
     return "\n".join(lines)
+
+
+def markdown_path(json_path: str) -> str:
+    """The Markdown report's path: the JSON path with `.md` for its suffix."""
+    from pathlib import Path
+
+    return str(Path(json_path).with_suffix(".md"))
+
+
+def _cell(value: Any) -> str:
+    return _fmt(value).replace("|", "/").replace("\n", " ")
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """The report for a person: environment, one table row per check, the goal lines each check
+    wrote (`details["goal_lines"]`), then failures and errors. The JSON keeps everything else."""
+    env, options = report["environment"], report["options"]
+    lines = ["# vlrl gpu_check report", "",
+             f"- result: **{'all passed' if report['ok'] else 'some checks failed'}**"
+             f" ({'complete' if options.get('complete') else 'incomplete'}, {options.get('total_seconds')} s)",
+             "- environment: " + ", ".join(f"{k} {_cell(v)}" for k, v in env.items()),
+             "- options: " + ", ".join(f"{k} {_cell(v)}" for k, v in options.items()), "",
+             "| check | status | seconds | key numbers |", "|---|---|---|---|"]  # fmt: skip
+    for check in report["checks"]:
+        numbers = ", ".join(f"{k}={_cell(v)}" for k, v in check["summary"].items())
+        lines.append(f"| {check['name']} | {check['status']} | {check['seconds']:.1f} | {numbers} |")
+    goals = [(c["name"], line) for c in report["checks"] for line in c["details"].get("goal_lines", [])]
+    if goals:
+        lines += ["", "## Goals", ""] + [f"- {name}: {line}" for name, line in goals]
+    problems = [
+        (c["name"], p)
+        for c in report["checks"]
+        for p in [*c["failures"], *([c["error"]] if c["error"] else [])]
+    ]
+    if problems:
+        lines += ["", "## Failures", ""] + [f"- {name}: {_cell(p)}" for name, p in problems]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(report: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        f.write(format_markdown(report))
