@@ -14,11 +14,10 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 import yaml
 
 from vlrl.config import ConfigError
@@ -116,10 +115,7 @@ def test_easyr1_long_context_and_video_meanings(easyr1_folder: list[str]) -> Non
 def test_print_config_in_a_real_process(easyr1_folder: list[str], tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     args = COMMANDS["qwen2_5_vl_7b_geo3k_grpo.sh"] + easyr1_folder + ["print_config=true"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "vlrl.trainer.main", *args], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = warm_cli.run(args, tmp_path, env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "worker.actor.policy_loss = 'ppo'" in proc.stdout
     assert "trainer.experiment_name = 'qwen2_5_vl_7b_geo_grpo'" in proc.stdout

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+import warm_cli
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +62,5 @@ def run_command(
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "SWANLAB_MODE": "offline",
            "RAY_ADDRESS": ray_address}  # fmt: skip
-    return subprocess.run(
-        [sys.executable, "-m", "vlrl.trainer.main", *args], cwd=workdir, env=env,
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+    # the real CLI in a process of its own, forked from one that imported the driver's modules once
+    return warm_cli.run(args, workdir, env, timeout)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import warm_cli
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -52,8 +54,7 @@ def cli_args(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
 
 def run_cli(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLRL_DEBUG": "1"}
-    proc = subprocess.run([sys.executable, "-m", "vlrl.trainer.main", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = warm_cli.run(args, REPO, env, timeout)  # the real CLI, forked with the driver's imports done
     assert proc.returncode == 0, f"run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 
 from vlrl.config import ConfigError, TrainerConfig
 from vlrl.trainer.checkpoint import CheckpointManager, folder_use, open_run_folder
@@ -165,8 +165,7 @@ def test_the_cli_refuses_at_start_up(tmp_path: Path) -> None:
     out = tmp_path / "run"
     _earlier_run(out, steps=(2,))
     args = cli_args(assets, out, "trainer.find_last_checkpoint=false", "trainer.overwrite_checkpoints=false")
-    done = subprocess.run([sys.executable, "-m", "vlrl.trainer.main", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = warm_cli.run(args, REPO, timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
     assert (
         f"vlrl: trainer.save_checkpoint_path={out} holds an earlier run's checkpoints (global_step_2)"

@@ -8,11 +8,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import warm_cli
 from e2e_helpers import REPO, build_assets, cli_args, read_metrics, safe_metrics, start_cli
 
 pytestmark = pytest.mark.slow
@@ -42,8 +42,7 @@ def test_folder_lock_corrupt_checkpoint_and_hung_rank_restarted(tmp_path: Path) 
     lock = out / ".vlrl.lock"
     _wait_for(lambda: lock.is_file() and "pid" in lock.read_text(), first, first_log, "the lock")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    second = subprocess.run([sys.executable, "-m", "vlrl.trainer.main", *cli_args(assets, out, "data.seed=7")],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    second = warm_cli.run(cli_args(assets, out, "data.seed=7"), REPO, env, timeout=300)
     assert second.returncode == 1, second.stderr[-3000:]
     assert f"is in use by another run (pid {first.pid} on " in second.stderr
     assert first.wait(timeout=600) == 0, first_log.read_text()[-4000:]

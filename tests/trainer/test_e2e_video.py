@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -56,8 +55,7 @@ def test_trains_on_videos(tmp_path: Path) -> None:
         "trainer.logger=[console,file]",
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLRL_DEBUG": "1"}
-    proc = subprocess.run([sys.executable, "-m", "vlrl.trainer.main", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = warm_cli.run(args, REPO, env, timeout=600)
     assert proc.returncode == 0, f"run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     lines = (out / "logs" / "metrics.jsonl").read_text().splitlines()
     metrics = {row["step"]: row for row in map(json.loads, lines)}

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 from example_scripts import load_example
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,8 +43,7 @@ def test_multi_turn_demo_runs(tmp_path: Path) -> None:
         "trainer.logger=[console,file]",
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "vlrl.trainer.main", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = warm_cli.run(args, REPO, env, timeout=900)
     assert proc.returncode == 0, f"run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
