@@ -173,6 +173,31 @@ def _dist_layout(tp: int) -> tuple[int, int]:
     return rank, rank // tp
 
 
+def eager_token_ranks() -> None:
+    """CPU only: vLLM's sampler computes each sampled token's rank with a `torch.compile`d function
+    (`batched_count_greater_than`, vllm/v1/sample/ops/logprobs.py, called from `Sampler` in
+    vllm/v1/sample/sampler.py); on CPU inductor compiles it to C++ at the first generation of every
+    rank process (4-11 s measured here, for `(x >= values).sum(-1)`). The uncompiled function gives
+    the same integer counts; on GPU the compiled one stays (it avoids a (tokens x vocab) temporary)."""
+    from vllm.v1.sample import sampler
+
+    eager = getattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable", None)
+    if eager is not None:
+        sampler.batched_count_greater_than = eager
+
+
+def freeze_start_up_heap() -> None:
+    """Move the objects alive before `LLM()` out of the collector's reach, as vLLM itself does once
+    its engine has started (`freeze_gc_heap`, vllm/utils/gc_utils.py, from `EngineCore.__init__`).
+    Engine start-up runs full collections (`BaseModelLoader.load_model` twice,
+    vllm/model_executor/model_loader/base_loader.py) that otherwise walk the rank's whole heap
+    (torch, transformers and vLLM modules, the processor): seconds per rank on CPU. It collects
+    first, so no garbage is frozen; vLLM's shutdown and `VLLMRolloutEngine.close` unfreeze."""
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    freeze_gc_heap()
+
+
 def llm_kwargs(
     config: Any,
     *,
@@ -367,6 +392,9 @@ class VLLMRolloutEngine(RolloutEngine):
         if not self.on_gpu:  # the CPU all-reduce's shared memory, named after this run (vllm_hooks)
             self._shm_ident = vllm_hooks.next_cpu_shm_ident(c.tensor_parallel_size)
             vllm_hooks.use_cpu_shm_ident(self._shm_ident)
+        if not self.on_gpu:
+            eager_token_ranks()
+        freeze_start_up_heap()
         try:
             llm = LLM(**kwargs)
         except BaseException:
@@ -662,15 +690,21 @@ class VLLMRolloutEngine(RolloutEngine):
         self._asleep_tags -= set(tags)
         self.asleep = bool(self._asleep_tags)
 
-    def close(self) -> None:
+    def close(self, process_ends: bool = False) -> None:
         """Release the engine; the trainer's torch.distributed world stays up.
 
         vLLM's own in-process shutdown (`EngineCore.shutdown`, also run by a finalizer when the client
         is garbage-collected) ends with `cleanup_dist_env_and_memory()`, which destroys the default
         process group. We detach that finalizer and do the rest of the shutdown ourselves.
-        """
-        from vllm.distributed.parallel_state import destroy_model_parallel
 
+        `process_ends`: this process exits next (a Ray rank worker, killed by the driver after its
+        `shutdown`), so the memory is the OS's to reclaim and the engine is not torn down: that
+        teardown is mostly full garbage collections of the rank's whole heap (vLLM's
+        `Worker.shutdown` unfreezes it and `_cleanup_profiling_kv_cache` collects,
+        vllm/v1/worker/gpu_worker.py and gpu_model_runner.py; then ours below), seconds per rank at
+        the end of every run. The multi-turn tools and the CPU all-reduce segments, which outlive
+        the process, are released either way.
+        """
         multi_turn = getattr(self, "multi_turn", None)
         if multi_turn is not None:
             multi_turn.close()
@@ -678,14 +712,21 @@ class VLLMRolloutEngine(RolloutEngine):
             return
         client = self.llm.llm_engine.engine_core  # InprocClient (external_launcher runs in-process)
         client._finalizer.detach()
-        core = client.engine_core
+        if not process_ends:
+            self._tear_down(client.engine_core)
+        self.llm = None
+        # vLLM unlinks its CPU all-reduce segments only at a normal process exit, which Ray's
+        # workers do not reach (vllm_hooks, "CPU shared memory"): remove this engine's now.
+        if getattr(self, "_shm_ident", None):
+            vllm_hooks.remove_cpu_shm(f"{self._shm_ident}-")
+
+    def _tear_down(self, core: Any) -> None:
+        """Free the engine's memory in this process (its weights, KV cache and parallel groups)."""
+        from vllm.distributed.parallel_state import destroy_model_parallel
+
         core.model_executor.shutdown()
         core.scheduler.shutdown()
         gc.unfreeze()  # vLLM froze start-up objects; let the collector free the weights and KV cache
         self.llm = None
         destroy_model_parallel()
         gc.collect()
-        # vLLM unlinks its CPU all-reduce segments only at a normal process exit, which Ray's
-        # workers do not reach (vllm_hooks, "CPU shared memory"): remove this engine's now.
-        if getattr(self, "_shm_ident", None):
-            vllm_hooks.remove_cpu_shm(f"{self._shm_ident}-")

@@ -189,7 +189,8 @@ class RankGroup:
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):  # best effort: the processes are killed next anyway
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=SHUTDOWN_WAIT_S)
+            # each process is killed next: its engine's memory is not freed first (`RankWorker.shutdown`)
+            ray.get([w.shutdown.remote(process_ends=True) for w in self.workers], timeout=SHUTDOWN_WAIT_S)
         for worker in self.workers:
             ray.kill(worker)
         if self.placement is not None:

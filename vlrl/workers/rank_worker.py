@@ -7,6 +7,7 @@ FSDP all-gathers and the weight sync are collectives: a rank that skipped a call
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -31,15 +32,19 @@ from vlrl.config import PPOConfig
 from vlrl.data.encoded_images import decoded
 from vlrl.rewards import scores_to_token_level
 from vlrl.rewards.runner import RewardRunner
-from vlrl.rollout.base import sync_follows
+from vlrl.rollout.base import pad_token_id, sync_follows
 from vlrl.rollout.weight_broadcast import WeightBroadcast
+from vlrl.utils.background import in_background
 from vlrl.utils.gpu_driver import check_torch_sees_cuda
-from vlrl.utils.library_logs import quiet_library_logs
+from vlrl.utils.library_logs import debugging, quiet_library_logs
+from vlrl.utils.phase_times import PhaseTimes
 from vlrl.utils.rank_threads import set_rank_threads
 from vlrl.workers.scoring import BatchScorer, RankScoring
 from vlrl.workers.token_advantages import token_level_advantages
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from vlrl.rollout.base import RolloutEngine
     from vlrl.workers.actor import Actor
     from vlrl.workers.reference import AdapterOffReference, Reference
@@ -103,37 +108,77 @@ class RankWorker:
         `limit_images` / `limit_videos`: most images / videos in one prompt of the data;
         `optimizer_steps`: of the whole run (for the LR schedule); `score`: this rank will score
         what it generates (`generate(score=True)`), so its reward workers start now, beside the
-        model loading, and a reward file this node cannot load stops the run at start-up."""
+        model loading (in a thread), and a reward file this node cannot load stops the run at
+        start-up. Returns the first weight sync's metrics and the seconds of each phase
+        (`setup/<phase>_s`, `vlrl.utils.phase_times`; rank 0 prints them with `VLRL_DEBUG` set)."""
+        times = PhaseTimes()
+        rewards = None
+        if score and self.role != "train" and self._reports_rollouts():
+            # Its worker processes import the reward file while this rank loads the models: the
+            # runner's start-up waits for them (`RewardRunner._start_all`), not this thread.
+            rewards = in_background(lambda: RewardRunner(self.config.worker.reward), "vlrl-reward-start")
+        try:
+            metrics = self._load_models(times, limit_images, optimizer_steps, limit_videos)
+        except BaseException:
+            _close_when_started(rewards)
+            raise
+        if rewards is not None:
+            with times.phase("reward_workers_wait"):
+                self.rewards = rewards.result()
+        if debugging() and self.rank == 0:
+            times.print_to_stderr(f"{self.role} rank 0 setup:")
+        return {**metrics, **times.metrics()}
+
+    def _load_models(
+        self, times: PhaseTimes, limit_images: int, optimizer_steps: int, limit_videos: int
+    ) -> dict[str, float]:
+        """`setup`'s loading, each phase timed in `times`; the first weight sync's metrics."""
+        with times.phase("processor"):
+            tokenizer, processor = self._load_processor()
+        if self.role != "train":
+            with times.phase("engine"):
+                self._build_engine(tokenizer, processor, limit_images, limit_videos)
+        if self.role == "rollout":
+            return {}  # the weights come by broadcast before the first generation
+        with times.phase("actor"):
+            self._build_models(processor, optimizer_steps)
+        if self.role == "train":
+            return {}
+        check_same_banned_tokens(self.rollout.banned_token_ids, self.actor.model.banned_token_ids)
+        with times.phase("weight_sync"):
+            return self.sync_weights()
+
+    def _load_processor(self) -> tuple[Any, Any]:
         from vlrl.models.processor import load_processor
-        from vlrl.rollout import create_rollout_engine
-        from vlrl.rollout.base import eos_token_ids, pad_token_id
-        from vlrl.workers.from_config import build_actor, build_reference
 
         model = self.config.worker.actor.model
         tokenizer, processor = load_processor(
             model.tokenizer_path or model.model_path, self.config.data.override_chat_template
         )
         self.pad_token_id = pad_token_id(tokenizer)  # the engines' (rows taken from them are padded with it)
-        if score and self.role != "train" and self._reports_rollouts():
-            self.rewards = RewardRunner(self.config.worker.reward)
-        if self.role != "train":
-            self.scorer = BatchScorer(
-                tokenizer, self.pad_token_id, eos_token_ids(tokenizer, model.model_path),
-                self.config.worker.reward.skip_special_tokens,
-            )  # fmt: skip
-            self.rollout = create_rollout_engine(
-                self.config.worker.rollout, self.config.data, model.model_path, tokenizer, processor,
-                limit_images=limit_images, limit_videos=limit_videos, rollout_only=self.role == "rollout",
-            )  # fmt: skip
-        if self.role == "rollout":
-            return {}  # the weights come by broadcast before the first generation
+        return tokenizer, processor
+
+    def _build_engine(self, tokenizer: Any, processor: Any, limit_images: int, limit_videos: int) -> None:
+        from vlrl.rollout import create_rollout_engine
+        from vlrl.rollout.base import eos_token_ids
+
+        model_path = self.config.worker.actor.model.model_path
+        self.scorer = BatchScorer(
+            tokenizer, self.pad_token_id, eos_token_ids(tokenizer, model_path),
+            self.config.worker.reward.skip_special_tokens,
+        )  # fmt: skip
+        self.rollout = create_rollout_engine(
+            self.config.worker.rollout, self.config.data, model_path, tokenizer, processor,
+            limit_images=limit_images, limit_videos=limit_videos, rollout_only=self.role == "rollout",
+        )  # fmt: skip
+
+    def _build_models(self, processor: Any, optimizer_steps: int) -> None:
+        """The actor and, with KL on, the reference."""
+        from vlrl.workers.from_config import build_actor, build_reference
+
         self.actor = build_actor(self.config, processor, self.device, total_steps=optimizer_steps)
         if self.config.use_reference:
             self.reference = build_reference(self.config, processor, self.device, actor=self.actor)
-        if self.role == "train":
-            return {}
-        check_same_banned_tokens(self.rollout.banned_token_ids, self.actor.model.banned_token_ids)
-        return self.sync_weights()
 
     def banned_token_ids(self) -> tuple[int, ...]:
         """The tokens this rank's policy never samples: the engine's on a rollout rank, else the
@@ -427,11 +472,14 @@ class RankWorker:
 
         return probe_shared_path(marker, token, self.rank)
 
-    def shutdown(self) -> None:
+    def shutdown(self, process_ends: bool = False) -> None:
+        """Stop the reward workers and the engine. `process_ends`: the caller ends this process
+        next (the Ray driver kills its rank workers, `RankGroup.shutdown`), so the engine's memory
+        is left to the OS (`VLLMRolloutEngine.close`); in-process ranks free it."""
         if self.rewards is not None:
             self.rewards.close()
         if hasattr(self, "rollout"):  # set up (an in-process group may stop before setup)
-            self.rollout.close()
+            _close_engine(self.rollout, process_ends)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
@@ -444,6 +492,24 @@ def check_same_banned_tokens(engine: tuple[int, ...] | list[int], actor: tuple[i
             f"{tuple(actor)}: they must sample and score the same policy (vlrl.models.sampling); check "
             "worker.actor.model.tokenizer_path"
         )
+
+
+def _close_engine(engine: RolloutEngine, process_ends: bool) -> None:
+    from vlrl.rollout.vllm_engine import VLLMRolloutEngine
+
+    if isinstance(engine, VLLMRolloutEngine):
+        engine.close(process_ends=process_ends)
+    else:
+        engine.close()
+
+
+def _close_when_started(rewards: Future[RewardRunner] | None) -> None:
+    """Stop the reward workers `setup` started in the background (a failed setup): wait for their
+    start-up to end, then close them; their own start-up error is dropped for setup's."""
+    if rewards is None:
+        return
+    with contextlib.suppress(BaseException):
+        rewards.result().close()
 
 
 def _under_ray() -> bool:
