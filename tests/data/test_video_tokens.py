@@ -8,6 +8,7 @@ import torch
 from data_helpers import write_jsonl, write_png, write_video
 
 from vlrl.data.dataset import RLDataset
+from vlrl.data.encoded_images import decoded
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 COLOURS = ["red", "green", "blue", "yellow", "white", "black", "magenta", "cyan"]
@@ -56,7 +57,7 @@ def test_video_ids_and_positions_match_transformers(
         assert len(video.frames) == 4 and ours.video_grid_thw[0, 0].item() == 2
         out = processor(
             text=[ours.prompt],
-            images=ours.images or None,
+            images=[decoded(image) for image in ours.images] or None,  # they cross encoded
             videos=[v.frames for v in ours.videos],
             video_metadata=[v.metadata() for v in ours.videos],
             do_sample_frames=False,
