@@ -10,6 +10,7 @@ from PIL import Image
 from rollout_helpers import ROWS, data_config, prompt_batch
 
 from vlrl.algorithms import compute_advantages
+from vlrl.data.encoded_images import decoded
 from vlrl.models.processor import load_processor
 from vlrl.rollout.multi_turn.rendering import TurnEncoder, TurnRenderer
 from vlrl.rollout.multi_turn.trajectory import Trajectory, assemble_trajectories
@@ -54,7 +55,8 @@ def test_layout_and_positions_match_transformers(tiny_model, arch):
     for i, t in enumerate(trajectories):
         real = batch.attention_mask[i].bool()
         assert len(t.images) == (2 if i < 2 else 1)  # prompt image + tool image / tool image only
-        out = processor(text=[texts[i]], images=t.images, do_resize=False, return_tensors="pt")
+        images = [decoded(image) for image in t.images]  # the prompt image crosses encoded
+        out = processor(text=[texts[i]], images=images, do_resize=False, return_tensors="pt")
         # the trajectory's tokens are the processor's expansion of the whole conversation
         assert batch.input_ids[i][real].tolist() == out["input_ids"][0].tolist()
         expected, _ = model.model.get_rope_index(
