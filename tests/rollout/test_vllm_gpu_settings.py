@@ -255,7 +255,7 @@ def run_generate(role: str) -> list[str]:
     )
     worker.actor = _RecordingActor(engine.calls)  # type: ignore[assignment]
     worker.published = []
-    samples = worker.generate(SimpleNamespace(), keep_for=1)  # type: ignore[arg-type]
+    samples = worker.generate(SimpleNamespace(images=[]), keep_for=1)  # type: ignore[arg-type]
     assert isinstance(samples, StepSamples)
     return engine.calls
 

@@ -35,17 +35,6 @@ class Context:
             self._models[arch] = build_tiny_model(self.workdir / f"tiny_{arch}", arch=arch, seed=self.seed)
         return str(self._models[arch])
 
-    def shaped_3b_model(self) -> str:
-        """The random-init model with Qwen2.5-VL-3B's shapes (the small stand-in when `small`),
-        written once per run: each write is a 7.5 GB folder (vlrl.tools.gpu_check.qwen3b_check)."""
-        key = "qwen25_vl_3b_shapes"
-        if key not in self._models:
-            from vlrl.tools.gpu_check.qwen3b_check import build_3b_shaped_model
-
-            folder, _ = build_3b_shaped_model(self.workdir / key, self.device, self.small, self.seed)
-            self._models[key] = folder
-        return str(self._models[key])
-
 
 def free_port() -> int:
     with socket.socket() as s:

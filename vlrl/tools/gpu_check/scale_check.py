@@ -1,7 +1,7 @@
 """The "at GPU scale" checks: the 3B-shaped actor's update MFU and the log-prob pass's peak memory.
 
 Both use the random-init model with Qwen2.5-VL-3B-Instruct's shapes of `qwen3b_check` (built once
-per run, `Context.shaped_3b_model`) and the actor's own code paths: `Actor.update_policy` (token-budget
+per run, `shaped_3b_model`) and the actor's own code paths: `Actor.update_policy` (token-budget
 micro-batches from `ShardedModel.plan_micro_batches`, the configured gradient-checkpointing policy,
 the fused AdamW of vlrl.workers.optim on CUDA) and `Actor.compute_log_probs` (per-chunk scoring
 from hidden states, vlrl.models.lm_head). MFU is the actor's own `perf/actor_mfu`: decoder and
@@ -31,6 +31,7 @@ import torch
 
 from vlrl.tools.gpu_check.context import Context, single_rank_world, sync
 from vlrl.tools.gpu_check.inputs import make_config, prompt_batch, random_rollout, training_fields
+from vlrl.tools.gpu_check.qwen3b_check import build_3b_shaped_model
 from vlrl.tools.gpu_check.report import Outcome
 
 MFU_GOAL = 0.35  # issue 14's P5 goal for an H100
@@ -53,6 +54,16 @@ class LogProbSizes:
     rows: int
     response: int
     image: int
+
+
+def shaped_3b_model(ctx: Context) -> str:
+    """The random-init model with Qwen2.5-VL-3B's shapes (the small stand-in when `ctx.small`),
+    written once per run and kept in `ctx`: each write is a 7.5 GB folder (qwen3b_check)."""
+    key = "qwen25_vl_3b_shapes"
+    if key not in ctx._models:
+        folder, _ = build_3b_shaped_model(ctx.workdir / key, ctx.device, ctx.small, ctx.seed)
+        ctx._models[key] = folder
+    return str(ctx._models[key])
 
 
 def update_sizes(small: bool) -> UpdateSizes:
@@ -229,7 +240,7 @@ def check_update_mfu(ctx: Context, outcome: Outcome) -> None:
     from vlrl.workers.from_config import build_actor
 
     size = update_sizes(ctx.small)
-    model_dir = ctx.shaped_3b_model()
+    model_dir = shaped_3b_model(ctx)
     config = _actor_config(model_dir, ctx, size.rows, max(size.responses),
                            **{"worker.actor.model.gradient_checkpointing_layers": "all",
                               "worker.actor.max_token_len_per_device": size.budget})  # fmt: skip
@@ -369,7 +380,7 @@ def check_logprob_memory(ctx: Context, outcome: Outcome) -> None:
     from vlrl.workers.from_config import build_actor
 
     size = logprob_sizes(ctx.small)
-    model_dir = ctx.shaped_3b_model()
+    model_dir = shaped_3b_model(ctx)
     vocab = int(AutoConfig.from_pretrained(model_dir).text_config.vocab_size)
     # default micro-batch for experience (16 rows) x the widest row: the whole batch is one micro-batch
     config = _actor_config(model_dir, ctx, size.rows, size.response)
