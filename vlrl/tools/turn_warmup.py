@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vlrl.data.encoded_images import decoded
 from vlrl.tools.warmup import supervised_step
 
 
@@ -98,7 +99,10 @@ def fit_segments(
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask}
         kwargs["position_ids"] = positions.transpose(0, 1) if spec else positions
         if all_images and processor is not None:
-            pixels = processor.image_processor(images=all_images, do_resize=False, return_tensors="pt")
+            # dataset rows hold EncodedImage (decoded here, once per object); PIL images pass as they are
+            pixels = processor.image_processor(
+                images=[decoded(image) for image in all_images], do_resize=False, return_tensors="pt"
+            )
             kwargs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
         losses.append(supervised_step(model, optimizer, kwargs, labels))
     model.save_pretrained(model_dir)
