@@ -18,20 +18,24 @@ SPECS = [(True, 6), (False, 9), (True, 3), (False, 5), (False, 7), (True, 4), (F
 MINI_BATCH = 4  # rows per optimizer step: 8 rows make 2 mini-batches
 
 
-def count_update(model_dir: str, on_policy: bool = False, **overrides: Any) -> dict[str, Any]:
-    """Sync counts of one `update_policy` (with a KL loss and an entropy bonus)."""
+def count_update(
+    model_dir: str, on_policy: bool = False, mini_batches: int = 2, **overrides: Any
+) -> dict[str, Any]:
+    """Sync counts of one `update_policy` (with a KL loss and an entropy bonus) on this rank."""
     _, processor = load_processor(model_dir)
-    rows = 2 * MINI_BATCH if not on_policy else MINI_BATCH
+    rows = mini_batches * MINI_BATCH if not on_policy else MINI_BATCH
+    world = dist.get_world_size()  # each rank's mini-batch is MINI_BATCH of its `rows` rows
     values = {
-        "worker__actor__global_batch_size": MINI_BATCH,
-        "data__rollout_batch_size": rows,
+        "worker__actor__global_batch_size": MINI_BATCH * world,
+        "data__rollout_batch_size": rows * world,
         "algorithm__use_kl_loss": True,
         "worker__actor__entropy_coeff": 0.01,
         **overrides,
     }
-    config = make_config(model_dir, **values)
+    config = make_config(model_dir, world_size=world, **values)
     actor = build_actor(config, processor, "cpu", model_path=model_dir)
-    batch = with_training_fields(make_batch(model_dir, SPECS[:rows], seed=3), kl=True)
+    specs = (SPECS * 2)[:rows]
+    batch = with_training_fields(make_batch(model_dir, specs, seed=3 + dist.get_rank()), kl=True)
     if on_policy:
         batch.old_log_probs = None
     with SyncCounter(actor.model.device, actor.model.module) as counter:
@@ -132,3 +136,19 @@ def run(rank: int, world: int, port: int, models: dict[str, str], out_dir: str) 
     finally:
         dist.destroy_process_group()
     torch.save(results, os.path.join(out_dir, "results.pt"))
+
+
+def run_two_ranks(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    """The same counts on 2 ranks, where `ShardedModel.all_reduce` really reads the device: 2 and 4
+    mini-batches, 1 and 4 rows per micro-batch."""
+    init_gloo(rank, world, port)
+    results: dict[str, Any] = {}
+    try:
+        for minis in (2, 4):
+            for micro in (MINI_BATCH, 1):
+                results[f"{minis}/{micro}"] = count_update(
+                    model_dir, mini_batches=minis, worker__actor__micro_batch_size_per_device_for_update=micro
+                )
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, f"two_ranks_{rank}.pt"))

@@ -1,11 +1,13 @@
 """At most a fixed number of host-device syncs per mini-batch in `Actor.update_policy`, whatever the
 number of micro-batches (counted on CPU by tests/actor/sync_counter.py; see tests/actor/sync_job.py).
 
-What is allowed, per mini-batch on a 1-rank run: the gradient norm read by `clip_and_step` (whether
-to skip a non-finite step) and `weights_finite`'s answer; on-policy, the mini-batch's computed
-log-probs copied to the host once. Per update: the metric sums read once (`_UpdateStats.local_sums`).
-With several ranks the per-mini-batch all-reduces of token counts and flags add theirs (not seen on
-1 rank, where `ShardedModel.all_reduce` returns its host list). Nothing per micro-batch."""
+What is allowed, per mini-batch: the gradient norm read by `clip_and_step` (whether to skip a
+non-finite step); on-policy, the mini-batch's computed log-probs copied to the host once. Per update:
+the metric sums read once (`_UpdateStats.local_sums`) and `weights_finite`'s answer; with several
+ranks (where `ShardedModel.all_reduce` reads its device tensor; on 1 rank it returns its host list)
+also the all-reduces of the mini-batch count, of every mini-batch's token counts and advantage flags
+(one for the whole update), of the token budget and micro-batch counts (`plan_mini_batches`), of
+the media flags, the metrics and the throughput. Nothing per micro-batch."""
 
 from __future__ import annotations
 
@@ -19,8 +21,12 @@ from actor_helpers import launch
 pytestmark = pytest.mark.timeout(900)
 
 MINI_BATCHES = 2
-PER_MINI_BATCH = 2  # grad norm + weights_finite
-PER_UPDATE = 1  # the metric sums
+PER_MINI_BATCH = 1  # the grad norm
+PER_UPDATE = 2  # the metric sums + weights_finite
+# 2 ranks: + the all-reduces of the mini-batch count, the per-mini-batch totals, the widest row (the
+# default token budget), the micro-batch counts, the metric sums and the throughput (a text model:
+# no media flags)
+PER_UPDATE_TWO_RANKS = PER_UPDATE + 6
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +37,15 @@ def job(actor_model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     models = {arch: actor_model(arch) for arch in ("qwen2", "qwen2_5_vl")}
     launch(sync_job.run, 1, models, str(out))
     return torch.load(Path(out) / "results.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(actor_model, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    import sync_job
+
+    out = tmp_path_factory.mktemp("syncs2")
+    launch(sync_job.run_two_ranks, 2, actor_model("qwen2"), str(out))
+    return [torch.load(Path(out) / f"two_ranks_{rank}.pt", weights_only=False) for rank in range(2)]
 
 
 def _total(result: dict[str, Any]) -> int:
@@ -50,6 +65,18 @@ def test_syncs_do_not_grow_with_micro_batches(job, arch, variant):
     minis = 1 if variant == "on_policy" else MINI_BATCHES
     bound = minis * (PER_MINI_BATCH + (variant == "on_policy")) + PER_UPDATE
     assert _total(four) <= bound, four["where"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_two_ranks_one_sync_per_mini_batch(two_ranks, rank):
+    """With real all-reduces: each extra mini-batch adds exactly one sync (its gradient norm), the
+    micro-batch split adds none."""
+    result = two_ranks[rank]
+    for minis in (2, 4):
+        one, four = result[f"{minis}/4"], result[f"{minis}/1"]
+        assert _ours(one) == _ours(four), (one["where"], four["where"])
+        assert _total(four) <= minis * PER_MINI_BATCH + PER_UPDATE_TWO_RANKS, four["where"]
+    assert _total(result["4/1"]) - _total(result["2/1"]) == 2 * PER_MINI_BATCH, result["4/1"]["where"]
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl"])

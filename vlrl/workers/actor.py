@@ -254,6 +254,9 @@ class Actor:
         minis = [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
         count = int(model.all_reduce([len(minis)], dist.ReduceOp.MAX)[0])
         minis += [[] for _ in range(count - len(minis))]
+        totals, has_advantage = self._mini_batch_totals(batch, minis)
+        micro_plans = model.plan_mini_batches(batch, minis, self.cfg.micro_batch_size_per_device_for_update)
+        first_step = self.global_step + 1
         start = time.perf_counter()
         if own_old:
             if len(minis) != 1:
@@ -261,15 +264,18 @@ class Actor:
             batch.old_log_probs = torch.zeros(batch.responses.shape, dtype=torch.float32)
         computed_old = batch.old_log_probs
         for _ in range(self.cfg.ppo_epochs):
-            for rows in minis:
+            for index, rows in enumerate(minis):
                 mini = batch.select(rows)
-                log_probs = self.forward_backward(mini, stats, image_anchor, own_old)
+                log_probs = self.forward_backward(
+                    mini, stats, image_anchor, own_old, totals[index], micro_plans[index]
+                )
                 if own_old and rows and computed_old is not None:
                     computed_old[rows] = log_probs.cpu()  # the mini-batch's one copy to the host
-                if self.cfg.skip_steps_without_advantage and not self._has_advantage(mini):
+                if self.cfg.skip_steps_without_advantage and not has_advantage[index]:
                     self.skip_step(stats)
                 else:
                     self.optimizer_step(stats)
+        self._check_weights_after(stats, first_step)
         seconds = time.perf_counter() - start
         if self.offload_optimizer:
             move_optimizer_state(self.optimizer, "cpu")
@@ -303,12 +309,16 @@ class Actor:
         stats: _UpdateStats,
         image_anchor: bool | tuple[bool, bool],
         own_old: bool = False,
+        totals: tuple[float, float] | None = None,
+        micro_plan: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """Accumulate the gradient of one mini-batch's loss (summed over ranks) into `.grad`.
 
         Returns the log-probs [len(mini), R] it computed (detached, on the model's device: copying
         them to the host is the caller's choice). `own_old`: they are also the old log-probs (the
-        ratio is exactly 1; `mini.old_log_probs` is not read).
+        ratio is exactly 1; `mini.old_log_probs` is not read). `totals`: the mini-batch's (tokens,
+        sequences) over all ranks and `micro_plan` its micro-batches, when the caller has them for the
+        whole update (`_mini_batch_totals`, `ShardedModel.plan_mini_batches`); else agreed over ranks here.
 
         The micro-batch loop reads nothing from the device: the inputs are indexed on the host
         (vlrl.models.packing), host rows go to the device with non-blocking copies, and the metrics
@@ -316,16 +326,17 @@ class Actor:
         cfg, algo, model = self.cfg, self.algorithm, self.model
         dev, sp = model.device, model.spec.ulysses_size
         computed = torch.zeros(mini.responses.shape, dtype=torch.float32, device=dev)
-        # a Ulysses group's ranks hold the same rows: count them once
-        num_tokens, num_seqs = (
-            x / sp for x in model.all_reduce(list(count_tokens_and_seqs(mini.response_mask)))
-        )
+        if totals is None:  # a Ulysses group's ranks hold the same rows: count them once
+            totals = tuple(x / sp for x in model.all_reduce(list(count_tokens_and_seqs(mini.response_mask))))
+        num_tokens, num_seqs = totals
         agg: dict[str, Any] = {
             "loss_avg_mode": cfg.loss_avg_mode,
             "num_tokens": num_tokens,
             "num_seqs": num_seqs,
         }
-        plan = model.plan_micro_batches(mini, cfg.micro_batch_size_per_device_for_update)
+        if micro_plan is None:
+            micro_plan = model.plan_micro_batches(mini, cfg.micro_batch_size_per_device_for_update)
+        plan = micro_plan
         # HSDP: the cross-replica all-reduce only on the last micro-batch's backward (vlrl.workers.fsdp)
         defer = len(plan) > 1 and is_hybrid(model.module)
         for index, rows in enumerate(plan):
@@ -397,12 +408,22 @@ class Actor:
                 "checkpoint): resume from an earlier checkpoint or lower worker.actor.optim.lr "
                 "(worker.actor.max_nonfinite_steps sets the limit)"
             )
-        if not skipped and not self.weights_finite():
-            raise NonFiniteTraining(
-                f"optimizer step {self.global_step} made the weights inf/nan (gradient norm {norm:.4g}): the "
-                "optimizer state may be corrupt or the update too large; the run stops before saving them. "
-                "Resume from the latest checkpoint, with a lower worker.actor.optim.lr if it happens again"
-            )
+
+    def _check_weights_after(self, stats: _UpdateStats, first_step: int) -> None:
+        """Stop the run when this update's optimizer steps made the weights inf/nan. Checked once per
+        update, not per step (one host sync; a later step of the same update cannot repair them: its
+        gradient norm is non-finite and the step skipped). Every rank takes the same branch: the
+        skip counts come from all-reduced norms and flags."""
+        if stats.steps == stats.skipped + stats.no_advantage or self.weights_finite():
+            return
+        last = self.global_step
+        steps = f"optimizer step {last}" if last == first_step else f"optimizer steps {first_step}-{last}"
+        norms = ", ".join(f"{n:.4g}" for n in stats.grad_norms)
+        raise NonFiniteTraining(
+            f"{steps} made the weights inf/nan (gradient norm {norms}): the optimizer state may be "
+            "corrupt or the update too large; the run stops before saving them. Resume from the "
+            "latest checkpoint, with a lower worker.actor.optim.lr if it happens again"
+        )
 
     def weights_finite(self) -> bool:
         """Whether every rank's shards hold only finite values (the same answer on every rank).
@@ -420,11 +441,23 @@ class Actor:
         bad = any_nonfinite(local)
         return model.all_reduce([float(bad)], dist.ReduceOp.MAX)[0] == 0
 
-    def _has_advantage(self, mini: RolloutBatch) -> bool:
-        """Whether any rank's mini-batch has a non-zero advantage on a response token."""
-        signal = (mini.tensor("advantages") * mini.response_mask).abs().sum() if len(mini) else 0.0
-        local = float(signal != 0)  # nan counts (nan != 0): the step is taken and its norm guarded
-        return self.model.all_reduce([local], dist.ReduceOp.MAX)[0] > 0
+    def _mini_batch_totals(
+        self, batch: RolloutBatch, minis: list[list[int]]
+    ) -> tuple[list[tuple[float, float]], list[bool]]:
+        """For each mini-batch: its (tokens, sequences) summed over ranks (a Ulysses group's ranks
+        hold the same rows: counted once), and whether any rank's rows have a non-zero advantage on a
+        response token. Read from the host batch and all-reduced once for the whole update (the rows
+        are the same in every epoch), instead of once per mini-batch."""
+        local: list[float] = []
+        for rows in minis:
+            mask = batch.response_mask[rows]  # [n, R] host
+            signal = (batch.tensor("advantages")[rows] * mask).abs().sum() if rows else 0.0
+            # nan counts (nan != 0): the step is taken and its norm guarded
+            local += [*count_tokens_and_seqs(mask), float(signal != 0)]
+        summed = self.model.all_reduce(local)
+        sp = self.model.spec.ulysses_size
+        totals = [(summed[i] / sp, summed[i + 1] / sp) for i in range(0, len(summed), 3)]
+        return totals, [summed[i + 2] > 0 for i in range(0, len(summed), 3)]
 
     def skip_step(self, stats: _UpdateStats) -> None:
         """Drop the accumulated gradient; the LR schedule and step counts still advance."""

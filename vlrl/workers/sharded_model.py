@@ -217,21 +217,30 @@ class ShardedModel:
 
     def plan_micro_batches(self, batch: RolloutBatch, micro_batch_size: int) -> list[list[int]]:
         """Row indices of each micro-batch; the same count on every rank (extra ones are empty)."""
-        n = len(batch)
+        return self.plan_mini_batches(batch, [list(range(len(batch)))], micro_batch_size)[0]
+
+    def plan_mini_batches(
+        self, batch: RolloutBatch, minis: list[list[int]], micro_batch_size: int
+    ) -> list[list[list[int]]]:
+        """`plan_micro_batches` of each mini-batch `batch.select(minis[i])` (indices into the
+        mini-batch), every count agreed over ranks in one all-reduce for all of them (a rank may
+        hold fewer or shorter rows); plus one for the default token budget's width."""
         if self.spec.dynamic_batching:
             # Padded rows cost their full width; packed rows only their real tokens.
-            lengths = (
-                batch.attention_mask.sum(-1).tolist()
-                if self.spec.padding_free
-                else [batch.input_ids.shape[1]] * n
+            width = batch.input_ids.shape[1]
+            all_lengths = (
+                batch.attention_mask.sum(-1).tolist() if self.spec.padding_free else [width] * len(batch)
             )
+            lengths = [[all_lengths[i] for i in rows] for rows in minis]
             # the budget is per device: a group of sp ranks holds sp times as many tokens
             budget = self.token_budget(batch, micro_batch_size) * self.spec.ulysses_size
-            count = int(self.all_reduce([count_micro_batches(lengths, budget)], dist.ReduceOp.MAX)[0])
-            return micro_batches_by_tokens(lengths, count)
-        parts = [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
-        count = int(self.all_reduce([len(parts)], dist.ReduceOp.MAX)[0])
-        return parts + [[] for _ in range(count - len(parts))]
+            local = [count_micro_batches(mini, budget) for mini in lengths]
+        else:
+            local = [-(-len(rows) // micro_batch_size) for rows in minis]
+        counts = [int(c) for c in self.all_reduce([float(c) for c in local], dist.ReduceOp.MAX)]
+        if self.spec.dynamic_batching:
+            return [micro_batches_by_tokens(mini, count) for mini, count in zip(lengths, counts)]
+        return [_fixed_split(len(rows), micro_batch_size, count) for rows, count in zip(minis, counts)]
 
     def token_budget(self, batch: RolloutBatch, micro_batch_size: int) -> int:
         """Tokens per dynamic micro-batch: `max_token_len_per_device`, or (when unset) the
@@ -328,3 +337,9 @@ class ShardedModel:
         finally:
             reshard(self.module)
         return out.cpu()
+
+
+def _fixed_split(n: int, size: int, count: int) -> list[list[int]]:
+    """Rows 0..n-1 in consecutive micro-batches of `size`, padded with empty ones to `count`."""
+    parts = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    return parts + [[] for _ in range(count - len(parts))]
