@@ -283,7 +283,7 @@ def test_disable_kl_turns_the_kl_loss_off(base: list[str]) -> None:
     """EasyR1's config.yaml sets use_kl_loss and its DAPO/GSPO/SAPO recipes add disable_kl: no
     reference is loaded, so the KL loss must be off too (it crashed the first update before)."""
     config = load_config([*base, "algorithm.use_kl_loss=true", "algorithm.disable_kl=true"])
-    assert not config.algorithm.use_kl_loss and not config.use_reference
+    assert not config.algorithm.use_kl_loss and not config.plan.reference
     assert load_config([*base, "algorithm.use_kl_loss=true"]).algorithm.use_kl_loss
 
 

@@ -85,7 +85,7 @@ def test_easyr1_meanings_survive_loading(easyr1_folder: list[str]) -> None:
     assert (gspo.policy_loss, gspo.loss_avg_mode, gspo.clip_ratio_low) == ("gspo_token", "seq", 3e-4)
     sapo = load("qwen2_5_vl_7b_geo3k_sapo.sh")
     assert sapo.worker.actor.policy_loss == "sapo" and sapo.worker.actor.tau_negative == 1.05
-    assert sapo.algorithm.disable_kl and not sapo.use_reference and not sapo.algorithm.use_kl_loss
+    assert sapo.algorithm.disable_kl and not sapo.plan.reference and not sapo.algorithm.use_kl_loss
     dapo = load("qwen2_5_vl_7b_geo3k_dapo.sh")
     assert dapo.data.mini_rollout_batch_size == 128 and dapo.algorithm.online_filtering
     assert load("qwen2_5_7b_math_grpo.sh").worker.actor.policy_loss == "ppo"  # loss_type default
@@ -121,6 +121,11 @@ def test_print_config_in_a_real_process(easyr1_folder: list[str], tmp_path: Path
     assert "trainer.experiment_name = 'qwen2_5_vl_7b_geo_grpo'" in proc.stdout
     assert "[vlrl] config: worker.rollout.tensor_parallel_size" not in proc.stderr  # set by config.yaml
     assert not (tmp_path / "checkpoints").exists()  # printed and exited: nothing trained or saved
+    # EasyR1's config.yaml: KL loss, 512 / 128 prompts (4 optimizer steps): the old-log-prob pass
+    # after each rank's first mini-batch, whose own the update computes
+    assert (
+        "[vlrl] step plan: old log-probs: mixed; ratio from: actor; reference: yes; KL: loss" in proc.stderr
+    )
 
 
 # ------------------------------------------------------------------ commands.yaml matches the scripts

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from actor_helpers import init_gloo, make_batch, make_config, sampling_for
 
 from vlrl.batch.rows import RolloutBatch
+from vlrl.config import PPOConfig
 from vlrl.models.loading import load_model
 from vlrl.models.packing import build_padded_inputs, forward_log_probs
 from vlrl.models.processor import load_processor
@@ -130,27 +131,53 @@ def check_on_policy(model_dir: str, results: dict[str, Any]) -> None:
     moves the weights as with separately computed old log-probs, and fills them in."""
     _, processor = load_processor(model_dir)
     config = make_config(model_dir, algorithm__disable_kl=True)
-    results["on_policy/config"] = config.on_policy_update
+    results["on_policy/config"] = config.plan.old_log_probs == "update"
     after, filled = [], None
     for given in (True, False):
         actor = build_actor(config, processor, "cpu", model_path=model_dir)
         batch = make_batch(model_dir, SPECS, seed=12)
         old = actor.compute_log_probs(batch)
         train_fields(batch, old if given else None)
-        actor.update_policy(batch, on_policy=config.on_policy_update)
+        actor.update_policy(batch, on_policy=config.plan.old_log_probs == "update")
         after.append(actor.compute_log_probs(batch))
         filled = err(batch.old_log_probs, old, batch)
     results["on_policy/filled_err"] = filled
     results["on_policy/moved"] = err(after[0], old, batch)
     results["on_policy/after_err"] = err(after[0], after[1], batch)
-    two_steps = make_config(model_dir, algorithm__disable_kl=True, worker__actor__global_batch_size=4)
+    # 4 rows in 2 mini-batches
+    two_steps = make_config(model_dir, algorithm__disable_kl=True, worker__actor__global_batch_size=2)
+    results["mixed/config"] = two_steps.plan.old_log_probs
     actor = build_actor(two_steps, processor, "cpu", model_path=model_dir)
     batch = train_fields(make_batch(model_dir, SPECS, seed=12), None)
     try:
-        actor.update_policy(batch, on_policy=two_steps.on_policy_update)
+        actor.update_policy(batch, on_policy=True)
         results["on_policy/two_steps_error"] = ""
     except ValueError as exc:
         results["on_policy/two_steps_error"] = str(exc)
+    check_mixed_old(model_dir, two_steps, processor, results)
+
+
+def check_mixed_old(model_dir: str, config: PPOConfig, processor: Any, results: dict[str, Any]) -> None:
+    """Two mini-batches (`old_log_probs=mixed`): the first one's old log-probs from the update's own
+    first forward (the given ones for its rows are garbage, never read) move the weights as the
+    full old pass does, through both optimizer steps, and are filled in."""
+    after = []
+    for own_first in (False, True):
+        actor = build_actor(config, processor, "cpu", model_path=model_dir)
+        batch = make_batch(model_dir, SPECS, seed=14)
+        old = actor.compute_log_probs(batch)
+        given = old.clone()
+        if own_first:
+            given[: actor.samples_per_minibatch] = 7.0  # not a log-prob: reading it would show
+        train_fields(batch, given)
+        metrics = actor.update_policy(batch, on_policy=own_first)
+        after.append(actor.compute_log_probs(batch))
+        results[f"mixed/steps/{own_first}"] = actor.global_step
+        if own_first:
+            results["mixed/filled_err"] = err(batch.tensor("old_log_probs"), old, batch)
+            results["mixed/ppo_kl"] = metrics["actor/ppo_kl"]
+    results["mixed/moved"] = err(after[0], old, batch)
+    results["mixed/after_err"] = err(after[0], after[1], batch)
 
 
 def check_no_advantage_guard(model_dir: str, results: dict[str, Any]) -> None:

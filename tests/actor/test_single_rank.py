@@ -72,6 +72,16 @@ def test_on_policy_update_needs_no_old_log_probs(job):
     assert "needs batch.old_log_probs" in job["on_policy/two_steps_error"]
 
 
+def test_first_mini_batch_old_log_probs_from_the_update(job):
+    """`old_log_probs=mixed`: the pass skips the first mini-batch; the update's weights equal those
+    after a full old pass."""
+    assert job["mixed/config"] == "mixed"  # 2 mini-batches, no KL in the reward, synchronous
+    assert job["mixed/steps/True"] == job["mixed/steps/False"] == 2
+    assert job["mixed/filled_err"] < 1e-5  # the update's own = the pass's
+    assert job["mixed/moved"] > 1e-3 and job["mixed/after_err"] < 1e-5
+    assert abs(job["mixed/ppo_kl"]) < 1.0  # the garbage rows (7.0) were never read as old log-probs
+
+
 def test_no_advantage_guard_skips_only_steps_without_signal(job):
     assert job["guard/True/moved"] == 0 and job["guard/True/optimizer_state"] == 0
     assert job["guard/True/no_advantage_steps"] == 1 and job["guard/True/global_step"] == 1

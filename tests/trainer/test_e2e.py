@@ -26,12 +26,14 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_two_ranks_train_checkpoint_and_a_killed_run_resumes_exactly(
     assets: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Two ranks (data parallel, KL loss with a reference, two updates per step), 4 steps with
+    """Two ranks (data parallel, KL loss with a reference, two updates per step, sequence-level masked
+    IS), 4 steps with
     checkpoints at 2 and 4 and validation at the end; then the same run killed during step 3 and
     started again resumes from step 2 and logs what the uninterrupted run logged."""
     common = ["trainer.n_gpus_per_node=2", "algorithm.disable_kl=false", "algorithm.use_kl_loss=true",
               "algorithm.kl_penalty=low_var_kl", "trainer.save_freq=2", "trainer.val_before_train=false",
-              "trainer.val_freq=-1", "trainer.max_steps=4", "worker.rollout.calculate_log_probs=true"]  # fmt: skip
+              "trainer.val_freq=-1", "trainer.max_steps=4", "worker.rollout.calculate_log_probs=true",
+              "algorithm.off_policy_correction=seq_mask", "algorithm.correction_bound=1.5"]  # fmt: skip
     reference = tmp_path / "uninterrupted"
     run_cli(cli_args(assets, reference, *common))
     expected = read_metrics(reference)
@@ -42,6 +44,8 @@ def test_two_ranks_train_checkpoint_and_a_killed_run_resumes_exactly(
         assert "actor/kl_loss" in row and row["timing/gen"] > 0 and row["timing/update"] > 0
         assert row["perf/tokens_per_s"] > 0
         assert row["rollout/log_prob_diff_mean"] < 0.05  # the old log-probs vs the engine's
+        # synchronous: the engine samples the actor's weights, every sequence stays in the band
+        assert row["off_policy/masked_frac"] == 0.0 and row["off_policy/weight_mean"] == 1.0
     assert "val/overall" in expected[4]  # validation at the end
     tracker = json.loads((reference / "checkpoint_tracker.json").read_text())
     assert tracker["latest"] == 4
@@ -117,7 +121,7 @@ def test_async_mode_trains_one_step_off_policy_and_resumes_exactly(
     assert expected[1]["rollout/log_prob_diff_mean"] < 0.05
     assert (full / "global_step_2" / "prefetched.pt").is_file()
     if ratio_from == "actor":
-        assert all(0 < expected[s]["async/tis_weight_mean"] <= 2.0 for s in (1, 2, 3))
+        assert all(0 < expected[s]["off_policy/weight_mean"] <= 2.0 for s in (1, 2, 3))
         return
 
     resumed = tmp_path / "resumed"

@@ -208,7 +208,7 @@ def test_reinforce_plus_plus_advantages_are_whitened_on_the_rank_with_the_kl_pen
 
 def test_on_policy_update_skips_the_old_log_prob_pass(make) -> None:
     trainer = make("worker.actor.global_batch_size=4", "worker.actor.ppo_epochs=1")
-    assert trainer.config.on_policy_update
+    assert trainer.config.plan.old_log_probs == "update"
     calls: list[str] = []
     worker = trainer.ranks.workers[0]
     for owner, name in ((worker.actor, "compute_log_probs"), (worker, "take_rows"), (worker, "update")):

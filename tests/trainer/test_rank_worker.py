@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -57,6 +58,7 @@ def _worker(
     worker = RankWorker.__new__(RankWorker)  # no process group needed for this phase
     worker.device = torch.device(device)
     worker.role, worker.image_refs, worker.rank, worker.published = "hybrid", None, rank, []
+    worker.old_from_update = []  # take_rows ran a full old pass (or none was asked for)
     worker.config = PPOConfig()  # the defaults: one generation round, so the update's sync follows it
     worker.config.worker.rollout.tensor_parallel_size = tp
     worker.actor = _Recorder(calls, "actor")
@@ -187,7 +189,8 @@ def test_the_update_measures_the_ratio_from_the_configured_old_policy(old_policy
     worker = _worker([], "cpu")
     worker.role, worker.actor = "train", Actor()
     algorithm = SimpleNamespace(old_policy=old_policy, tis_cap=None)
-    worker.config = SimpleNamespace(worker=worker.config.worker, algorithm=algorithm, on_policy_update=False)
+    plan = replace(worker.config.plan, old_log_probs="pass", ratio_from=old_policy, correction="none")
+    worker.config = SimpleNamespace(worker=worker.config.worker, algorithm=algorithm, plan=plan)
     actor_old, engine = torch.full((1, 2), -1.0), torch.full((1, 2), -2.0)
     worker.kept_rows, worker.kept = [0], _rollout(engine=engine, old=actor_old)
     metrics, drift = worker.update(KeptRows([0], {}, per_row={"advantages": torch.ones(1)}))

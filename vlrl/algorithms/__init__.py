@@ -3,13 +3,13 @@
 The registries map config names to functions: `ADV_ESTIMATORS` (`algorithm.adv_estimator`),
 `KL_ESTIMATORS` (`algorithm.kl_penalty`), `POLICY_LOSSES` (`worker.actor.policy_loss`) and
 `LOSS_AGG_MODES` (`worker.actor.loss_avg_mode`). `GROUP_ESTIMATORS` names the estimators that
-compare samples of one prompt and so need `worker.rollout.n > 1`. See docs/algorithms.md.
+compare samples of one prompt and so need `worker.rollout.n > 1`. `vlrl.algorithms.plan` derives
+the step plan from what each estimator and correction declares it needs. See docs/algorithms.md.
 """
 
 from vlrl.algorithms.advantages import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
-    TOKEN_LEVEL_ESTIMATORS,
     compute_advantages,
 )
 from vlrl.algorithms.filtering import filter_groups
@@ -35,7 +35,6 @@ from vlrl.algorithms.losses import (
 __all__ = [
     "ADV_ESTIMATORS",
     "GROUP_ESTIMATORS",
-    "TOKEN_LEVEL_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",

@@ -24,13 +24,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from vlrl.algorithms.plan import ESTIMATOR_NEEDS
+
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
 SumOverRanks = Callable[[Tensor], Tensor]  # a float64 tensor's sum over the ranks that split a batch
 
-# Names whose advantage compares the samples of one prompt, so they need worker.rollout.n > 1.
-GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "grpo_passk"})
-# Names whose advantage varies along the response (the rest give each response one value).
-TOKEN_LEVEL_ESTIMATORS = frozenset({"reinforce_plus_plus"})
+# Names whose advantage compares the samples of one prompt, so they need worker.rollout.n > 1
+# (each estimator's needs are declared in vlrl.algorithms.plan.ESTIMATOR_NEEDS).
+GROUP_ESTIMATORS = frozenset(name for name, needs in ESTIMATOR_NEEDS.items() if needs.groups)
 
 
 # --------------------------------------------------------------------------------- helpers

@@ -12,8 +12,10 @@ import os
 import re
 from typing import TYPE_CHECKING
 
+from vlrl.algorithms.plan import CORRECTION_NEEDS, ESTIMATOR_NEEDS
+
 if TYPE_CHECKING:
-    from vlrl.config import ActorConfig, PPOConfig
+    from vlrl.config import ActorConfig, AlgorithmConfig, PPOConfig
 
 KNOWN_LOGGERS = ("console", "file", "wandb", "tensorboard", "swanlab", "mlflow")
 # logger -> the package it needs (checked at start-up, not at the first log call)
@@ -271,19 +273,16 @@ def _check_async(config: PPOConfig) -> list[str]:
     """worker.rollout.async_ranks / max_staleness, algorithm.tis_cap and algorithm.old_policy."""
     rollout, algo = config.worker.rollout, config.algorithm
     errors = []
-    if algo.tis_cap is not None and (algo.tis_cap <= 0 or not rollout.calculate_log_probs):
-        errors.append(
-            f"algorithm.tis_cap={algo.tis_cap} needs a cap > 0 and worker.rollout.calculate_log_probs=true "
-            "(the engine's log-probs are the denominator)"
-        )
+    errors += _correction_errors(algo)
     if algo.old_policy not in ("auto", "actor", "rollout"):
         errors.append(f"algorithm.old_policy={algo.old_policy!r} is unknown; choose auto, actor or rollout")
-    elif algo.old_policy == "rollout" and (not rollout.calculate_log_probs or algo.tis_cap is not None):
+    elif algo.old_policy == "rollout" and algo.off_policy_correction is not None:
         errors.append(
-            "algorithm.old_policy=rollout measures the ratio from the engine's log-probs: it needs "
-            "worker.rollout.calculate_log_probs=true and no algorithm.tis_cap (the ratio already corrects "
-            "for the sampling policy)"
+            "algorithm.old_policy=rollout measures the ratio from the engine's log-probs: it takes no "
+            "algorithm.off_policy_correction / tis_cap (the ratio already corrects for the sampling policy)"
         )
+    elif algo.adv_estimator in ESTIMATOR_NEEDS:
+        errors += config.plan.problems()  # what the step plan needs from the engines
     errors += _truncated_ratio_errors(config)
     if rollout.async_ranks == 0:
         return errors
@@ -313,6 +312,30 @@ def _check_async(config: PPOConfig) -> list[str]:
     return errors
 
 
+def _correction_errors(algo: AlgorithmConfig) -> list[str]:
+    """algorithm.off_policy_correction, correction_bound and the tis_cap shorthand (resolved by derive)."""
+    kind, bound = algo.off_policy_correction, algo.correction_bound
+    if kind is None:
+        return []
+    if kind not in CORRECTION_NEEDS:
+        return [
+            f"algorithm.off_policy_correction={kind!r} is unknown; choose one of {', '.join(CORRECTION_NEEDS)}"
+        ]
+    errors = []
+    if algo.tis_cap is not None and (kind != "token_tis" or bound != algo.tis_cap):
+        errors.append(
+            f"algorithm.tis_cap={algo.tis_cap} is the shorthand for off_policy_correction=token_tis with "
+            f"correction_bound={algo.tis_cap}; with off_policy_correction={kind} set correction_bound "
+            "instead and drop tis_cap"
+        )
+    low = 1.0 if kind.endswith("mask") else 0.0  # a mask's band [1/C, C] is empty below 1
+    if not bound > low:
+        errors.append(
+            f"algorithm.correction_bound={bound} must be > {low:g} for off_policy_correction={kind}"
+        )
+    return errors
+
+
 def _truncated_ratio_errors(config: PPOConfig) -> list[str]:
     """algorithm.old_policy=rollout with top-k, or a top-p below the PPO clip's lower bound.
 
@@ -322,7 +345,7 @@ def _truncated_ratio_errors(config: PPOConfig) -> list[str]:
     pi_actor / pi_engine, which before any update equals the mass Z the truncation keeps, not 1.
     top-p keeps Z >= top_p; top-k bounds nothing. Once Z < 1 - clip_ratio_low the clip holds a
     token's ratio before the update has moved it (no gradient for its negative advantages).
-    truncated IS (tis_cap) is not refused: pi_old / pi_engine is the importance weight toward the
+    an off-policy correction (tis_cap) is not refused: pi_old / pi_engine is the importance weight toward the
     distribution that actually sampled."""
     rollout, algo, actor = config.worker.rollout, config.algorithm, config.worker.actor
     if algo.old_policy != "rollout" or not (rollout.top_k > 0 or rollout.top_p < 1 - actor.clip_ratio_low):
@@ -335,7 +358,7 @@ def _truncated_ratio_errors(config: PPOConfig) -> list[str]:
         "then drops the gradient of those tokens' negative advantages before the update moved anything. "
         "Set top_k=-1 and top_p >= "
         f"{1 - actor.clip_ratio_low:g} (1: no truncation), or algorithm.old_policy=actor (with "
-        "algorithm.tis_cap to correct for the sampling policy)"
+        "algorithm.off_policy_correction to correct for the sampling policy)"
     ]
 
 

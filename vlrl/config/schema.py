@@ -18,7 +18,10 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vlrl.algorithms.plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +141,20 @@ class AlgorithmConfig(_Section):
     kl_target: float = 0.1
     """Adaptive KL controller target KL."""
     tis_cap: float | None = None
-    """Truncated importance sampling: each token's advantage is scaled by min(pi_old / pi_rollout,
-    tis_cap), the (detached) ratio of the actor's old log-prob to the engine's, so the update corrects
-    for the gap between the policy that sampled and the one being trained (asynchronous mode's
-    lag, or engine numerics). Needs worker.rollout.calculate_log_probs. None: off."""
+    """Truncated importance sampling per token: each token's advantage is scaled by
+    min(pi_old / pi_rollout, tis_cap), the (detached) ratio of the actor's old log-prob to the
+    engine's, so the update corrects for the gap between the policy that sampled and the one being
+    trained (asynchronous mode's lag, or engine numerics). The shorthand for
+    off_policy_correction=token_tis with correction_bound=tis_cap. None: off."""
+    off_policy_correction: str | None = None
+    """A preset weighting of the advantages by r = pi_old / pi_rollout per sampled token (bound C =
+    correction_bound): token_tis min(r, C); seq_tis min(product of the sequence's r, C); token_mask
+    drops tokens with r outside [1/C, C]; seq_mask drops sequences whose geometric-mean r is outside
+    it (vlrl/algorithms/importance.py). Logs off_policy/ratio_mean, ratio_max, weight_mean and
+    truncated_frac or masked_frac. Needs worker.rollout.calculate_log_probs. None: off."""
+    correction_bound: float = 2.0
+    """C of off_policy_correction: the truncation cap (tis presets, > 0) or the band [1/C, C]
+    (mask presets, > 1)."""
     old_policy: str = "auto"
     """The policy the PPO ratio (and its clip) is measured from. actor: the actor's log-probs of the
     sampled tokens, recomputed before the update (EasyR1's). rollout: the engine's log-probs, i.e. the
@@ -672,29 +685,25 @@ class PPOConfig(_Section):
         return self.train_world_size // max(self.worker.actor.ulysses_size, 1)
 
     @property
-    def on_policy_update(self) -> bool:
-        """One optimizer step per generation step (ppo_epochs 1, global_batch_size = rollout_batch_size)
-        and no KL in the reward: the old policy is the current one, so the trainer skips the
-        old-log-prob pass and the update takes its own log-probs, detached, as the old ones."""
-        actor, algo = self.worker.actor, self.algorithm
-        single_step = actor.ppo_epochs == 1 and actor.global_batch_size >= self.data.rollout_batch_size
-        # the driver needs the old log-probs for truncated IS (and async mode's policy-gap metrics)
-        lagged = self.worker.rollout.async_ranks > 0 or algo.tis_cap is not None
-        return single_step and (algo.disable_kl or algo.use_kl_loss) and not lagged
+    def plan(self) -> StepPlan:
+        """The step plan (vlrl.algorithms.plan): which log-probs a step computes, where the KL and
+        the advantages go, the baseline and the corrections; derived from the keys, the one place
+        that decides them."""
+        from vlrl.algorithms.plan import step_plan
 
-    @property
-    def use_reference(self) -> bool:
-        """A reference policy is needed when any KL term is on."""
-        return not self.algorithm.disable_kl
+        return step_plan(self)
 
     def derive(self) -> None:
         """Fill the values that default to other values. The one place for derived config."""
         rollout, model = self.worker.rollout, self.worker.actor.model
         if self.algorithm.disable_kl:  # no reference, so no KL term of any kind (EasyR1's meaning)
             self.algorithm.use_kl_loss = False
+        algo = self.algorithm
+        if algo.tis_cap is not None and algo.off_policy_correction is None:  # the shorthand
+            algo.off_policy_correction, algo.correction_bound = "token_tis", algo.tis_cap
         if self.algorithm.old_policy == "auto":
             lagged = (
-                rollout.async_ranks > 0 and rollout.calculate_log_probs and self.algorithm.tis_cap is None
+                rollout.async_ranks > 0 and rollout.calculate_log_probs and algo.off_policy_correction is None
             )
             self.algorithm.old_policy = "rollout" if lagged else "actor"
         if rollout.max_model_len is None:

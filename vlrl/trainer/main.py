@@ -46,6 +46,8 @@ def run(argv: list[str]) -> int:
         print("\n".join(describe(config)))
     for note in notes:
         print(f"[vlrl] config: {note}", file=sys.stderr, flush=True)
+    # what each step computes, decided once from the keys (vlrl.algorithms.plan)
+    print(f"[vlrl] step plan: {config.plan.describe()}", file=sys.stderr, flush=True)
     if show:
         return 0
     from vlrl.rollout.vllm_hooks import RUN_ID_ENV, SHM_DIR, new_run_id, run_cpu_shm_prefix

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from vlrl.algorithms import (
-    TOKEN_LEVEL_ESTIMATORS,
     KLPenalty,
     PenalizedRewards,
     compute_advantages,
@@ -220,20 +219,19 @@ class PPOTrainer:
         return metrics
 
     def _take_rows(self, batch: StepSamples, shards: list[list[int]]) -> PenalizedRewards | None:
-        """3. Each training rank takes its token-balanced shard of the rows and keeps it with its
-        old (unless on-policy: the update computes them) and reference log-probs. 4. With the KL
+        """3. Each training rank takes its token-balanced shard of the rows and keeps it with the
+        log-probs the step plan asks for (old ones, all or after its first mini-batch; reference). 4. With the KL
         penalty in the reward (GRPO puts KL in the loss instead) the ranks put it into their rows'
         rewards: their per-response values, in batch order."""
-        algo = self.config.algorithm
-        kl_in_reward = self.config.use_reference and not algo.use_kl_loss
+        algo, plan = self.config.algorithm, self.config.plan
+        kl_in_reward = plan.kl == "reward"
         scores = batch.tensor("token_level_scores").sum(-1)  # [N] each response's score
         penalties = [
             KLPenalty(self.kl_ctrl.value, algo.kl_penalty, scores[rows]) if kl_in_reward else None
             for rows in shards
         ]
         plans = [batch.plan(rows) for rows in shards]
-        with_old = not self.config.on_policy_update
-        results = self.ranks.call(RankWorker.take_rows, plans, shards, penalties, with_old=with_old)
+        results = self.ranks.call(RankWorker.take_rows, plans, shards, penalties)
         return gather_penalized(shards, results, len(batch)) if kl_in_reward else None
 
     def _advantages(
@@ -253,7 +251,7 @@ class PPOTrainer:
             self.kl_ctrl.update(current_kl, n_steps=len(batch))
             metrics.update({"critic/kl": current_kl, "critic/kl_coef": self.kl_ctrl.value})
         batch.sequence_rewards = scores if penalized is None else penalized.sums
-        if algo.adv_estimator in TOKEN_LEVEL_ESTIMATORS:
+        if self.config.plan.advantages == "ranks":
             return TokenRewards(algo.adv_estimator, scores, algo.gamma, kl_coef, algo.kl_penalty)
         batch.advantages = self._outcome_advantages(batch, penalized, baselines)
         return None
@@ -362,7 +360,7 @@ class PPOTrainer:
     ) -> tuple[StepSamples, torch.Tensor | None, dict[str, float]]:
         """Generation rounds until the batch holds `rollout_batch_size` groups (`BatchFiller`):
         the batch, the ReMax baselines [N] (None for other estimators) and the metrics."""
-        remax = self._remax_baselines if self.config.algorithm.adv_estimator == "remax" else None
+        remax = self._remax_baselines if self.config.plan.baseline == "greedy" else None
         return self.filler.fill(lambda round_: self._draw_round(round_, timer), remax)
 
     def _draw_round(

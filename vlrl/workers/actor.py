@@ -230,16 +230,17 @@ class Actor:
     def update_policy(self, batch: RolloutBatch, on_policy: bool = False) -> dict[str, float]:
         """`ppo_epochs` passes of mini-batch updates over this rank's rows; returns mean metrics.
 
-        `on_policy`: the run's update is one optimizer step on the policy that generated the batch
-        (`PPOConfig.on_policy_update`), so `batch.old_log_probs` may be missing: the update's own
-        log-probs, detached, are then the old ones, and it fills `batch.old_log_probs`.
+        `on_policy`: the update starts from the weights that generated the batch (the step plan's
+        `old_log_probs` `update` or `mixed`, vlrl.algorithms.plan), so the first mini-batch's
+        forward gives its old log-probs (detached: its first ratio is exactly 1) and its rows of
+        `batch.old_log_probs` are not read; with a single mini-batch `batch.old_log_probs` may be
+        None. The computed ones are filled into `batch.old_log_probs` (later epochs read them).
         """
         if batch.advantages is None:
             raise ValueError("update_policy needs batch.advantages")
-        own_old = batch.old_log_probs is None  # the update's log-probs serve as the old ones
-        if own_old and not on_policy:
+        if batch.old_log_probs is None and not on_policy:
             raise ValueError(
-                "update_policy needs batch.old_log_probs unless on_policy (one optimizer step per batch)"
+                "update_policy needs batch.old_log_probs unless on_policy (the first mini-batch's are its own)"
             )
         if self.algorithm.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("algorithm.use_kl_loss=true needs batch.ref_log_probs")
@@ -258,18 +259,22 @@ class Actor:
         micro_plans = model.plan_mini_batches(batch, minis, self.cfg.micro_batch_size_per_device_for_update)
         first_step = self.global_step + 1
         start = time.perf_counter()
-        if own_old:
-            if len(minis) != 1:
-                raise ValueError(f"an on-policy update takes one mini-batch, this batch makes {len(minis)}")
+        if batch.old_log_probs is None:
+            if sum(1 for rows in minis if rows) > 1:
+                raise ValueError(
+                    f"update_policy needs batch.old_log_probs for all but the first of its {len(minis)} "
+                    "mini-batches (on_policy computes the first one's)"
+                )
             batch.old_log_probs = torch.zeros(batch.responses.shape, dtype=torch.float32)
-        computed_old = batch.old_log_probs
-        for _ in range(self.cfg.ppo_epochs):
+        computed_old = batch.tensor("old_log_probs")  # [N, R]; the first mini-batch's rows filled below
+        for epoch in range(self.cfg.ppo_epochs):
             for index, rows in enumerate(minis):
+                own_old = on_policy and epoch == 0 and index == 0
                 mini = batch.select(rows)
                 log_probs = self.forward_backward(
                     mini, stats, image_anchor, own_old, totals[index], micro_plans[index]
                 )
-                if own_old and rows and computed_old is not None:
+                if own_old and rows:
                     computed_old[rows] = log_probs.cpu()  # the mini-batch's one copy to the host
                 if self.cfg.skip_steps_without_advantage and not has_advantage[index]:
                     self.skip_step(stats)
@@ -327,7 +332,8 @@ class Actor:
         dev, sp = model.device, model.spec.ulysses_size
         computed = torch.zeros(mini.responses.shape, dtype=torch.float32, device=dev)
         if totals is None:  # a Ulysses group's ranks hold the same rows: count them once
-            totals = tuple(x / sp for x in model.all_reduce(list(count_tokens_and_seqs(mini.response_mask))))
+            tokens, seqs = model.all_reduce(list(count_tokens_and_seqs(mini.response_mask)))
+            totals = (tokens / sp, seqs / sp)
         num_tokens, num_seqs = totals
         agg: dict[str, Any] = {
             "loss_avg_mode": cfg.loss_avg_mode,

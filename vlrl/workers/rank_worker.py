@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlrl.algorithms.importance import log_prob_drift, truncated_importance_weighting
+from vlrl.algorithms.importance import log_prob_drift, off_policy_weights
 from vlrl.algorithms.kl import KLPenalty, PenalizedRewards, penalized_rewards
 from vlrl.batch.held import Held, TakePlan, publish, take
 from vlrl.batch.image_refs import ImageRefs
@@ -92,6 +92,7 @@ class RankWorker:
         # only row ids and advantages from the driver): the step's row id of each row, and the rows.
         # Emptied by the update.
         self.kept_rows: list[int] = []
+        self.old_from_update: list[int] = []  # of kept_rows: the update computes their old log-probs
         self.kept: RolloutBatch | None = None
         # under Ray, batches carry image references (vlrl.batch.image_refs); in-process, the images
         # themselves. Either way dataset images come encoded and are decoded here, once per image.
@@ -177,7 +178,7 @@ class RankWorker:
         from vlrl.workers.from_config import build_actor, build_reference
 
         self.actor = build_actor(self.config, processor, self.device, total_steps=optimizer_steps)
-        if self.config.use_reference:
+        if self.config.plan.reference:
             self.reference = build_reference(self.config, processor, self.device, actor=self.actor)
 
     def banned_token_ids(self) -> tuple[int, ...]:
@@ -305,19 +306,23 @@ class RankWorker:
             batch.images = [[decoded(image) for image in row] for row in batch.images]
 
     def take_rows(
-        self, plan: TakePlan, rows: list[int], kl_penalty: KLPenalty | None = None, with_old: bool = True
+        self, plan: TakePlan, rows: list[int], kl_penalty: KLPenalty | None = None
     ) -> PenalizedRewards | None:
         """Take this rank's rows of the step (`plan`: from the generating ranks' published batches;
-        `rows`: their step row ids) and keep them for the update, with the old-policy (unless not
-        `with_old`: on-policy, the update computes them) and, when KL is on, reference log-probs.
+        `rows`: their step row ids) and keep them for the update, with the log-probs the step plan
+        asks for (vlrl.algorithms.plan): the old policy's (all rows, those after this rank's first
+        mini-batch, or none: the update computes the rest) and, when KL is on, the reference's.
 
         With `kl_penalty` (the KL penalty in the reward) returns the rows' rewards with it, per
         sequence (per token too when asked); else None: everything stays here."""
         batch = take(plan, self.pad_token_id)
         self._fetch_media(batch)
-        old = self.actor.compute_log_probs(batch) if with_old else None
+        old = self._old_pass(batch)
         ref = self.reference.compute_log_probs(batch) if self.reference is not None else None
         batch.old_log_probs, batch.ref_log_probs = old, ref
+        # the rows whose old log-probs the update's first mini-batch computes (none after a full pass)
+        first = [] if self.config.plan.old_log_probs == "pass" else rows[: self.actor.samples_per_minibatch]
+        self.old_from_update = list(first)
         self.kept_rows, self.kept = (
             list(rows),
             batch,
@@ -331,40 +336,62 @@ class RankWorker:
             scores, old, ref, batch.response_mask, kl_penalty.coef, kl_penalty.kind, per_token=False
         )
 
+    def _old_pass(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """[N, R] old log-probs of the rows the plan's pass covers (0 where the update computes
+        them: the first mini-batch's, `mixed`), or None when it computes all (`update`)."""
+        which = self.config.plan.old_log_probs
+        if which == "update":
+            return None
+        if which == "pass":
+            return self.actor.compute_log_probs(batch)
+        first = min(self.actor.samples_per_minibatch, len(batch))
+        old = torch.zeros(batch.responses.shape, dtype=torch.float32)  # [N, R]
+        if first < len(batch):
+            old[first:] = self.actor.compute_log_probs(batch.select(list(range(first, len(batch)))))
+        return old
+
     def update(self, kept: KeptRows) -> tuple[dict[str, float], dict[str, float]]:
         """One PPO update on the rows `take_rows` kept here, then push the new weights to the engine.
 
-        With `algorithm.tis_cap` the advantages are weighted by the truncated importance ratio here;
-        with `algorithm.old_policy=rollout` the engine's log-probs are the old ones. Returns the
+        With an off-policy correction (`algorithm.off_policy_correction`, `tis_cap`) the advantages
+        are weighted here, where the engine's and the actor's log-probs are; with
+        `algorithm.old_policy=rollout` the engine's log-probs are the old ones. Returns the
         update's metrics and the engine-vs-actor drift of the sampled tokens' log-probs
         (`log_prob_drift`: its mean, max and token count; {} without engine log-probs)."""
         batch = self._kept_batch(kept)
-        algo = self.config.algorithm
+        algo, plan = self.config.algorithm, self.config.plan
+        own_first = self.old_from_update != []  # the first mini-batch's old log-probs come from the update
+        if own_first and kept.rows[: len(self.old_from_update)] != self.old_from_update:
+            raise RuntimeError(
+                f"rank {self.rank}: the update's first mini-batch (rows {kept.rows[:5]}...) is not the one "
+                f"take_rows left without old log-probs ({self.old_from_update[:5]}...)"
+            )
         stats: dict[str, float] = {}
         if kept.token_rewards is not None:  # before the old log-probs may give way to the engine's
             ulysses = self.config.worker.actor.ulysses_size
             batch.advantages, stats = token_level_advantages(batch, kept.token_rewards, ulysses)
         drift: dict[str, float] = {}
-        if batch.old_log_probs is not None and batch.rollout_log_probs is not None:
+        if not own_first and batch.old_log_probs is not None and batch.rollout_log_probs is not None:
             drift = log_prob_drift(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask)
-        tis: dict[str, float] = {}
-        if algo.tis_cap is not None:
-            batch.advantages, tis = truncated_importance_weighting(
-                batch.tensor("advantages"), batch.tensor("old_log_probs"),
-                batch.tensor("rollout_log_probs"), batch.response_mask, algo.tis_cap,
+        corrected: dict[str, float] = {}
+        if plan.correction != "none":
+            weights, corrected = off_policy_weights(
+                plan.correction, batch.tensor("old_log_probs"), batch.tensor("rollout_log_probs"),
+                batch.response_mask, algo.correction_bound,
             )  # fmt: skip
-        if algo.old_policy == "rollout":  # the ratio from the policy that sampled
-            batch.old_log_probs = batch.tensor("rollout_log_probs")
+            batch.advantages = batch.tensor("advantages") * weights
+        if plan.ratio_from == "rollout":  # the ratio from the policy that sampled
+            batch.old_log_probs, own_first = batch.tensor("rollout_log_probs"), False
         try:
-            metrics = self.actor.update_policy(batch, on_policy=self.config.on_policy_update)
+            metrics = self.actor.update_policy(batch, on_policy=own_first)
         finally:
-            self.kept_rows, self.kept = [], None
+            self.kept_rows, self.kept, self.old_from_update = [], None, []
             self.release_images()
-        if self.config.on_policy_update and batch.rollout_log_probs is not None:  # old ones computed now
+        if own_first and batch.rollout_log_probs is not None:  # the old ones are complete now
             drift = log_prob_drift(
                 batch.rollout_log_probs, batch.tensor("old_log_probs"), batch.response_mask
             )
-        metrics.update(tis)
+        metrics.update(corrected)
         metrics.update(stats)
         if self.role == "hybrid":
             metrics.update(self.sync_weights())

@@ -206,10 +206,10 @@ def _saved_weight_gap(folder: str, state: dict[str, torch.Tensor], hf_config: An
 
 
 def _old_and_ref(worker: Any, samples: StepSamples) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rank worker's old (always asked for) and reference log-probs [N, R] of all the rows it
-    generated, which it then keeps for an update (as in a step: `take_rows`)."""
+    """The rank worker's old and reference log-probs [N, R] of all the rows it generated, which it
+    then keeps for an update (as in a step: `take_rows`, whose old-log-prob pass follows the step
+    plan; the old ones of every row are computed here, on the same untouched actor)."""
     rows = list(range(len(samples)))
-    worker.take_rows(samples.plan(rows), rows, with_old=True)
-    old, ref = worker.kept.old_log_probs, worker.kept.ref_log_probs  # kept in `rows` order
-    assert old is not None
-    return old, ref
+    worker.take_rows(samples.plan(rows), rows)
+    ref = worker.kept.ref_log_probs  # kept in `rows` order
+    return worker.actor.compute_log_probs(worker.kept), ref
