@@ -51,7 +51,8 @@ class _Prompts:
 
 def _fill(config: SimpleNamespace, solved: set[int], prompts: _Prompts | None = None) -> tuple:
     """`BatchFiller.fill` with rounds whose samples score acc = 1 if their prompt is in `solved`, else
-    alternating 0, 1 (a group with both is kept by the filter); the loader `prompts` counts batches."""
+    alternating 0, 1 (a group with both is kept by the filter), and the same as `overall` and
+    `accuracy`; the loader `prompts` counts batches."""
     n = config.worker.rollout.n
     prompts = prompts or _Prompts(config.data.mini_rollout_batch_size or config.data.rollout_batch_size)
 
@@ -63,7 +64,7 @@ def _fill(config: SimpleNamespace, solved: set[int], prompts: _Prompts | None = 
             group_ids=torch.tensor([p for p in ids for _ in range(n)]), prompt_lengths=torch.full((rows,), 2),
             turn_lengths=torch.ones(rows, dtype=torch.long), prompts=[str(p) for p in ids for _ in range(n)],
             ground_truths=[""] * rows, extras=[{} for _ in range(rows)], held=[None] * rows,
-            reward_parts=[{"overall": 0.0, "acc": 1.0 if p in solved else float(i % 2)}
+            reward_parts=[dict.fromkeys(("overall", "accuracy", "acc"), 1.0 if p in solved else float(i % 2))
                           for i, p in enumerate(p for p in ids for _ in range(n))],
         )  # fmt: skip
         return ids, batch, {"reward/overall": float(round_)}
@@ -78,13 +79,16 @@ def test_without_mini_one_round_of_the_whole_batch() -> None:
     prompts = _Prompts(8)
     batch, baselines, metrics = _fill(_config(rollout=8, mini=None, filtering=False), set(), prompts)
     assert len(batch) == 16 and prompts.batches == 1 and baselines is None
-    assert metrics == {"reward/overall": 0.0}  # the first round's metrics
+    assert metrics.pop("reward/overall") == 0.0  # the first round's metrics
+    # every group has a 0 and a 1: all mixed, 2 samples generated per mixed group
+    assert metrics == {"groups/mixed_share": 1.0, "groups/all_correct_share": 0.0, "groups/all_wrong_share": 0.0,
+                       "groups/samples_per_mixed_group": 2.0}  # fmt: skip
 
 
 def test_mini_batches_fill_the_step_without_filtering() -> None:
     prompts = _Prompts(2)
     batch, _, metrics = _fill(_config(rollout=8, mini=2, filtering=False), set(), prompts)
-    assert prompts.batches == 4 and len(batch) == 16 and metrics == {"reward/overall": 0.0}
+    assert prompts.batches == 4 and len(batch) == 16 and metrics["reward/overall"] == 0.0
     assert sorted({int(p) for p in batch.prompts}) == list(range(8))
     assert len(set(batch.group_ids.tolist())) == 8
 
@@ -96,10 +100,15 @@ def test_online_filtering_draws_mini_batches_until_full_and_cuts_the_excess() ->
     # round 1: prompts 0-3 all dropped; round 2: 4,5 dropped, 6,7 kept; round 3: 8,9 fill the batch, 10,11 cut
     assert prompts.batches == 3 and metrics["filter/tries"] == 3.0 and metrics["reward/overall"] == 0.0
     assert [int(p) for p in batch.prompts[::2]] == [6, 7, 8, 9]
+    # 12 groups generated (the cut ones count: they were paid for): 0-5 all correct, 6-11 mixed
+    assert metrics["groups/mixed_share"] == 0.5 and metrics["groups/all_correct_share"] == 0.5
+    assert metrics["groups/all_wrong_share"] == 0.0 and metrics["groups/samples_per_mixed_group"] == 4.0
 
 
 def test_a_filter_key_the_reward_does_not_return_fails_at_once() -> None:
-    with pytest.raises(ValueError, match=r"filter_key='accuracy_normalized'.*returned \['acc', 'overall'\]"):
+    with pytest.raises(
+        ValueError, match=r"filter_key='accuracy_normalized'.*returned \['acc', 'accuracy', 'overall'\]"
+    ):
         _fill(_config(rollout=4, mini=None, filtering=True, key="accuracy_normalized"), set())
 
 

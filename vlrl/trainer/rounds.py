@@ -8,6 +8,7 @@ caller's: `BatchFiller.fill` takes it as a function, so this module knows no ran
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,46 @@ from vlrl.batch.samples import StepSamples
 DrawRound = Callable[[int], tuple[PromptBatch, StepSamples, dict[str, float]]]
 # (prompts, their scored batch, round index) -> each sample's baseline score [N] (ReMax)
 Baselines = Callable[[PromptBatch, StepSamples, int], torch.Tensor]
+
+
+@dataclass
+class GroupOutcomes:
+    """A step's generated groups (every round, before filtering) by what their rewards say:
+    `mixed` when the `overall` rewards differ within the group (GRPO learns only from these);
+    with an `accuracy` reward part, `all_correct` / `all_wrong` when it is 1 / 0 for every sample."""
+
+    groups: int = 0
+    samples: int = 0
+    mixed: int = 0
+    all_correct: int = 0
+    all_wrong: int = 0
+    has_accuracy: bool = False
+
+    def add(self, batch: StepSamples) -> None:
+        by_group: dict[int, list[dict[str, float]]] = defaultdict(list)
+        for group, parts in zip(batch.group_ids.tolist(), batch.scored_parts()):
+            by_group[group].append(parts)
+        self.samples += len(batch)
+        for members in by_group.values():
+            self.groups += 1
+            overall = [float(p["overall"]) for p in members]
+            self.mixed += max(overall) - min(overall) > 1e-9
+            if all("accuracy" in p for p in members):
+                self.has_accuracy = True
+                accuracy = [float(p["accuracy"]) for p in members]
+                self.all_correct += all(a == 1.0 for a in accuracy)
+                self.all_wrong += all(a == 0.0 for a in accuracy)
+
+    def metrics(self) -> dict[str, float]:
+        """`groups/*`: shares of the generated groups, and the samples generated per mixed group
+        (logged when there was one: it is the price of each group the update learns from)."""
+        out = {"groups/mixed_share": self.mixed / max(self.groups, 1)}
+        if self.has_accuracy:
+            out["groups/all_correct_share"] = self.all_correct / max(self.groups, 1)
+            out["groups/all_wrong_share"] = self.all_wrong / max(self.groups, 1)
+        if self.mixed:
+            out["groups/samples_per_mixed_group"] = self.samples / self.mixed
+        return out
 
 
 @dataclass(frozen=True)
@@ -41,11 +82,13 @@ class BatchFiller:
     ) -> tuple[StepSamples, torch.Tensor | None, dict[str, float]]:
         """Draw rounds until the kept groups reach the target; the excess is cut off. Returns the
         batch (`target_groups * n` rows), the baselines [N] (None without `baselines`) and the
-        metrics: the first round's (what the policy does, before filtering) and the filter's."""
+        metrics: the first round's (what the policy does, before filtering), the filter's, and the
+        outcomes of every generated group (`GroupOutcomes`)."""
         algo = self.algorithm
         kept: list[StepSamples] = []
         kept_baselines: list[torch.Tensor] = []
         metrics: dict[str, float] = {}
+        outcomes = GroupOutcomes()
         n_groups = tries = 0
         while n_groups < self.target_groups:
             if tries > 0 and 0 <= self.max_tries <= tries:  # always one round
@@ -58,6 +101,7 @@ class BatchFiller:
             prompts, batch, round_metrics = draw_round(tries)
             if tries == 0:
                 metrics.update(round_metrics)
+            outcomes.add(batch)
             keep = torch.ones(len(batch), dtype=torch.bool)
             if algo.online_filtering:
                 keep = filter_groups(
@@ -73,6 +117,7 @@ class BatchFiller:
             tries += 1
         if algo.online_filtering:
             metrics["filter/tries"] = float(tries)
+        metrics.update(outcomes.metrics())
         size = self.target_groups * self.n
         merged = kept[0] if len(kept) == 1 else StepSamples.join(kept, self.pad_token_id)
         if len(merged) > size:
