@@ -2,7 +2,9 @@
 
 Member 0 is a training rank (its own gloo world, the model FSDP2-sharded in it); member 1 is a
 rollout rank with a vLLM engine (its own world, as vLLM's external_launcher wants); member 2 is a
-rollout rank that only records what it receives. Two syncs: the second reuses the first's layout.
+rollout rank that only records what it receives. Two syncs: the second reuses the first's layout,
+and is the background form (a staleness bound above 1): packed into host buckets, the weights then
+changed, the packed copy broadcast from a thread.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rollout_helpers import (
 )
 
 from vlrl.rollout.weight_broadcast import WeightBroadcast
+from vlrl.utils.background import in_background
 
 
 def run(member: int, world_ports: list[int], group_port: int, model_dir: str, out_dir: str) -> None:
@@ -50,7 +53,15 @@ def _train_side(group: WeightBroadcast, model_dir: str, result: dict[str, object
         perturb(model, seed=seed)  # "trained" further before each sync
         sharded = copy.deepcopy(model)
         fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))  # DTensor parameters, as the actor has
-        metrics = group.send(full_named_tensors(sharded), bucket_mb=0.25, dtype=torch.float32)
+        if seed == 4:
+            metrics = group.send(full_named_tensors(sharded), bucket_mb=0.25, dtype=torch.float32)
+        else:
+            packed = group.pack(full_named_tensors(sharded), bucket_mb=0.25, dtype=torch.float32)
+            with torch.no_grad():
+                for param in sharded.parameters():  # the next update, while the send is pending
+                    param.to_local().zero_()
+            sending = in_background(lambda packed=packed: group.send_packed(packed), "test-send")
+            metrics = sending.result()
         result[f"bytes{seed}"] = metrics["sync/bytes"]
     result["buckets"] = len(group.layout or [])
 

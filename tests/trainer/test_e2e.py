@@ -99,16 +99,19 @@ def _check_merged_weights_changed(actor_dir: Path, initial: Path) -> None:
     assert model.config.architectures == ["Qwen2_5_VLForConditionalGeneration"]
 
 
-@pytest.mark.parametrize("ratio_from", ["rollout", "actor"])
-def test_async_mode_trains_one_step_off_policy_and_resumes_exactly(
-    assets: dict[str, Path], tmp_path: Path, ratio_from: str
+@pytest.mark.parametrize("ratio_from, staleness", [("rollout", 1), ("actor", 1), ("rollout", 2)])
+def test_async_mode_trains_off_policy_and_resumes_exactly(
+    assets: dict[str, Path], tmp_path: Path, ratio_from: str, staleness: int
 ) -> None:
-    """The default (the PPO ratio from the policy that sampled) and, with truncated importance
-    sampling, from the actor; the default also resumes exactly."""
-    # one training rank, one rollout rank; the checkpoint at step 2 holds step 3's generation
+    """One step off (the default: the PPO ratio from the policy that sampled; with truncated
+    importance sampling, from the actor), and two steps off (the weights broadcast in the
+    background while a generation runs); the ratio from the sampler also resumes exactly."""
+    # one training rank, one rollout rank; the checkpoint at step 2 holds the generations of the
+    # steps after it that were submitted (step 3; with staleness 2, steps 3 and 4)
+    steps = 2 + staleness
     common = ["trainer.n_gpus_per_node=2", "worker.rollout.async_ranks=1", "trainer.save_freq=2",
               "trainer.val_before_train=false", "trainer.val_freq=-1", "data.val_files=''",
-              "trainer.max_steps=3"]  # fmt: skip
+              f"trainer.max_steps={steps}", f"worker.rollout.max_staleness={staleness}"]  # fmt: skip
     if ratio_from == "actor":
         common.append("algorithm.tis_cap=2.0")  # then algorithm.old_policy=auto is actor
     full = tmp_path / "full"
@@ -116,7 +119,10 @@ def test_async_mode_trains_one_step_off_policy_and_resumes_exactly(
     assert f"algorithm.old_policy = {ratio_from!r}" in proc.stdout
     run_cli(cli_args(assets, full, *common))
     expected = read_metrics(full)
-    assert [expected[s]["async/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    # step 1 generated at once; then each step's batch was submitted `staleness` steps earlier
+    # (step 2 at step 1, with the weights of update 0)
+    lag = {1: [0.0, 1.0, 1.0], 2: [0.0, 1.0, 2.0, 2.0]}[staleness]
+    assert [expected[s]["async/staleness"] for s in range(1, steps + 1)] == lag
     # step 1 samples with the broadcast initial weights: engine and actor agree
     assert expected[1]["rollout/log_prob_diff_mean"] < 0.05
     assert (full / "global_step_2" / "prefetched.pt").is_file()
@@ -130,7 +136,8 @@ def test_async_mode_trains_one_step_off_policy_and_resumes_exactly(
     )
     assert "resumed from" in proc.stdout + proc.stderr
     again = read_metrics(resumed)
-    assert sorted(again) == [3]
-    for key in ("reward/overall", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
-                "rollout/log_prob_diff_mean", "async/staleness"):  # fmt: skip
-        assert again[3][key] == pytest.approx(expected[3][key], rel=1e-6, abs=1e-9), key
+    assert sorted(again) == list(range(3, steps + 1))
+    for step in again:
+        for key in ("reward/overall", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
+                    "rollout/log_prob_diff_mean", "async/staleness"):  # fmt: skip
+            assert again[step][key] == pytest.approx(expected[step][key], rel=1e-6, abs=1e-9), (step, key)

@@ -17,6 +17,7 @@ from vlrl.algorithms.plan import CORRECTION_NEEDS, ESTIMATOR_NEEDS
 if TYPE_CHECKING:
     from vlrl.config import ActorConfig, AlgorithmConfig, PPOConfig
 
+MAX_STALENESS = 16  # steps the generation may run ahead of training (worker.rollout.max_staleness)
 KNOWN_LOGGERS = ("console", "file", "wandb", "tensorboard", "swanlab", "mlflow")
 # logger -> the package it needs (checked at start-up, not at the first log call)
 LOGGER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "swanlab": "swanlab", "mlflow": "mlflow"}
@@ -291,10 +292,10 @@ def _check_async(config: PPOConfig) -> list[str]:
             f"worker.rollout.async_ranks={rollout.async_ranks} must leave at least one of the "
             f"{config.world_size} ranks (trainer.nnodes x trainer.n_gpus_per_node) to train"
         )
-    if rollout.max_staleness not in (0, 1):
+    if not 0 <= rollout.max_staleness <= MAX_STALENESS:
         errors.append(
-            f"worker.rollout.max_staleness={rollout.max_staleness}: 0 or 1 (a larger lag needs weights sent "
-            "while the engines generate, which is not built)"
+            f"worker.rollout.max_staleness={rollout.max_staleness}: 0 to {MAX_STALENESS} (each step ahead "
+            "keeps one more generated batch on the rollout ranks)"
         )
     if rollout.tensor_parallel_size != 1:
         errors.append("asynchronous mode (worker.rollout.async_ranks) runs one engine per rollout rank: "

@@ -458,7 +458,9 @@ class RolloutConfig(_Section):
     after the other (the default)."""
     max_staleness: int = 1
     """Asynchronous mode: how many updates the sampling policy may lag behind the policy being
-    trained. 1: one-step-off-policy (generation overlaps the update); 0: no lag and no overlap."""
+    trained; the generation runs up to this many steps ahead. 1: one-step-off-policy (generation
+    overlaps the update); k >= 2: k steps ahead, the weights broadcast in the background and loaded
+    by the engines between generations (vlrl/trainer/async_rollout.py); 0: no lag and no overlap."""
     val_override_config: dict[str, Any] = field(default_factory=dict)
     """Sampling overrides for validation (keys: n, temperature, top_p, top_k, seed, ignore_eos);
     empty: validation samples as training does."""

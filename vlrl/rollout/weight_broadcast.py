@@ -78,48 +78,70 @@ class WeightBroadcast:
         self.layout: list[list[TensorSlot]] | None = None
 
     # ------------------------------------------------------------------ training side
+    def pack(
+        self, named: Iterator[tuple[str, torch.Tensor]], bucket_mb: float, dtype: torch.dtype | None
+    ) -> list[tuple[torch.Tensor, list[TensorSlot]]]:
+        """`named` packed into host byte buckets (flat uint8, their slots): a snapshot of the weights
+        that `send_packed` can broadcast later, from another thread, while the actor trains on."""
+        buckets = []
+        for bucket in self._buckets(named, bucket_mb, dtype):
+            flat, slots = _flatten(bucket)
+            buckets.append((flat.cpu(), slots))
+        return buckets
+
+    def send_packed(self, buckets: list[tuple[torch.Tensor, list[TensorSlot]]]) -> dict[str, float]:
+        """Broadcast what `pack` made (the rollout ranks are in `receive`)."""
+        sent = 0
+        for index, (flat, slots) in enumerate(buckets):
+            sent += self._send_flat(flat.to(self.device), slots, index)
+        self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device))  # "no more buckets"
+        return {"sync/bytes": float(sent)}
+
     def send(
         self, named: Iterator[tuple[str, torch.Tensor]], bucket_mb: float, dtype: torch.dtype | None
     ) -> dict[str, float]:
         """Member 0 (training rank 0) packs and broadcasts `named`, the actor's full tensors (the
         other training ranks walk them too, for the all-gathers, but are not members). Returns
         {"sync/bytes": ...}."""
+        sent = 0
+        for index, bucket in enumerate(self._buckets(named, bucket_mb, dtype)):
+            flat, slots = _flatten(bucket)
+            sent += self._send_flat(flat.to(self.device), slots, index)
+        self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device))  # "no more buckets"
+        return {"sync/bytes": float(sent)}
+
+    def _buckets(
+        self, named: Iterator[tuple[str, torch.Tensor]], bucket_mb: float, dtype: torch.dtype | None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """`named` in the engines' dtype, grouped into buckets of at most `bucket_mb` MiB (a larger
+        tensor gets a bucket of its own)."""
         if self.member != 0:
             raise RuntimeError("only member 0 (training rank 0) sends weights")
         limit = int(bucket_mb * (1 << 20))
-        sent, size, index = 0, 0, 0
-        bucket: list[tuple[str, torch.Tensor]] = []
+        size, bucket = 0, list[tuple[str, torch.Tensor]]()
         for name, tensor in named:
             tensor = tensor.detach()
             if dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(dtype)
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > limit:
-                sent += self._send_bucket(bucket, index)
-                bucket, size, index = [], 0, index + 1
+                yield bucket
+                size, bucket = 0, []
             bucket.append((name, tensor.contiguous()))
             size += nbytes
         if bucket:
-            sent += self._send_bucket(bucket, index)
-        self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device))  # "no more buckets"
-        return {"sync/bytes": float(sent)}
+            yield bucket
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], index: int) -> int:
+    def _send_flat(self, flat: torch.Tensor, slots: list[TensorSlot], index: int) -> int:
         """Broadcast "one more bucket", its byte count, then its bytes; the first sync also writes the
         bucket's slots to the store (before its bytes, so a receiver never waits on them)."""
-        flat, slots, offset = [], [], 0
-        for name, tensor in bucket:
-            raw = tensor.reshape(-1).view(torch.uint8)
-            slots.append(TensorSlot(name, tuple(tensor.shape), tensor.dtype, offset, raw.numel()))
-            flat.append(raw)
-            offset += raw.numel()
         if self.layout is None or index >= len(self.layout):
             self.layout = [*(self.layout or []), slots]
             self.store.set(f"{LAYOUT_KEY}/{index}", pickle.dumps(slots))
         self._broadcast(torch.ones(1, dtype=torch.uint8, device=self.device))
-        self._broadcast(torch.tensor([offset], dtype=torch.int64, device=self.device))
-        self._broadcast(torch.cat(flat).to(self.device))
-        return offset
+        self._broadcast(torch.tensor([flat.numel()], dtype=torch.int64, device=self.device))
+        self._broadcast(flat)
+        return flat.numel()
 
     # ------------------------------------------------------------------ rollout side
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -149,6 +171,17 @@ class WeightBroadcast:
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         self.group.broadcast([tensor], _root_zero()).wait()
+
+
+def _flatten(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[TensorSlot]]:
+    """One bucket's tensors as one flat uint8 tensor and their slots in it."""
+    flat, slots, offset = [], [], 0
+    for name, tensor in bucket:
+        raw = tensor.reshape(-1).view(torch.uint8)
+        slots.append(TensorSlot(name, tuple(tensor.shape), tensor.dtype, offset, raw.numel()))
+        flat.append(raw)
+        offset += raw.numel()
+    return torch.cat(flat), slots
 
 
 def _root_zero() -> Any:

@@ -185,6 +185,8 @@ class PPOTrainer:
                 self.save_checkpoint(val_score)
             progress.update(1)
         progress.close()
+        if self.async_rollout is not None:
+            self.async_rollout.wait_for_receive()  # no weight broadcast left half done
         return self.history
 
     def train_step(self) -> dict[str, float]:
@@ -380,9 +382,9 @@ class PPOTrainer:
         return prompts, batch, metrics
 
     def _take_prefetched(self, flow: AsyncRollout) -> tuple[PromptBatch, StepSamples, dict[str, float]]:
-        """Asynchronous mode, the step's first generation round: the one submitted during the last
-        step (or generated now), after which the engines get the trainer's weights and the next
-        step's first round starts (vlrl.trainer.async_rollout). Not scored yet."""
+        """Asynchronous mode, the step's first generation round: the one submitted during an earlier
+        step (or generated now), after which the engines get the trainer's weights and the rounds of
+        the steps up to `max_staleness` ahead start (vlrl.trainer.async_rollout). Not scored yet."""
         version = self.global_step - 1  # updates done: the trainer's weights
         ahead = flow.take(self.global_step)
         metrics = {}
@@ -392,9 +394,11 @@ class PPOTrainer:
             ahead = Prefetched(self.global_step, prompts, version, batch=self._generate(prompts))
         batch = ahead.result()
         metrics["async/staleness"] = float(version - ahead.version)
-        if flow.staleness > 0 and self.global_step < self.total_steps:
+        ahead_steps = flow.next_steps(self.global_step, self.total_steps)
+        if ahead_steps:
             metrics.update(flow.sync_engines(version))
-            step, prompts_next = self.global_step + 1, self.data.next_train_batch()
+        for step in ahead_steps:
+            prompts_next = self.data.next_train_batch()
             flow.submit(step, prompts_next, self._submit_generate(prompts_next, step=step), self._merge)
         return ahead.prompts, batch, metrics
 

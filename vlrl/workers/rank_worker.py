@@ -100,6 +100,7 @@ class RankWorker:
         self.broadcast: WeightBroadcast | None = None  # asynchronous mode: training rank 0 and rollout ranks
         self.published: list[tuple[int, Held]] = []  # (step, batch) this rank published and still holds
         self.rewards: RewardRunner | None = None  # this rank's reward workers (`generate(score=True)`)
+        self.sending: Future[dict[str, float]] | None = None  # a background weight send (rank 0)
 
     def setup(
         self, limit_images: int, optimizer_steps: int, limit_videos: int = 0, score: bool = False
@@ -280,9 +281,9 @@ class RankWorker:
 
     def _hold(self, held: Held, step: int) -> Held:
         """Keep `held` alive here, its owner's reference, and drop what earlier steps published: a
-        hybrid rank's rows are taken within their step, a rollout rank's (asynchronous mode) during
-        the next step, while it already generates the one after."""
-        lag = 1 if self.role == "rollout" else 0
+        hybrid rank's rows are taken within their step, a rollout rank's (asynchronous mode) up to
+        `max_staleness` steps later (it generates for step s + k during step s)."""
+        lag = max(self.config.worker.rollout.max_staleness, 1) if self.role == "rollout" else 0
         self.published = [(s, h) for s, h in self.published if s >= step - lag] + [(step, held)]
         return held
 
@@ -439,9 +440,14 @@ class RankWorker:
             host, port, member, members, self.config.trainer.device, self.config.trainer.dist_timeout_minutes
         )
 
-    def send_weights(self) -> dict[str, float]:
+    def send_weights(self, background: bool = False) -> dict[str, float]:
         """Every training rank walks the actor's full tensors (FSDP all-gathers); rank 0 broadcasts
-        them in the engines' dtype, while every rollout rank is in `receive_weights`."""
+        them in the engines' dtype, while every rollout rank is in `receive_weights`.
+
+        `background` (a staleness bound above 1, vlrl.trainer.async_rollout): the rollout ranks take
+        the weights only when the generation they are running ends, so rank 0 packs a host copy
+        now and broadcasts it from a thread while the training ranks go on; the previous such send
+        is waited for first (its metrics are returned then: one sync late)."""
         from vlrl.rollout.vllm_engine import VLLM_DTYPES
         from vlrl.rollout.weight_sync import full_named_tensors
 
@@ -452,8 +458,20 @@ class RankWorker:
             for _ in named:
                 pass
             return {}
-        metrics = self.broadcast.send(named, self.config.worker.rollout.sync_bucket_mb, dtype)
-        return {**metrics, "sync/time_s": time.perf_counter() - start}
+        bucket_mb = self.config.worker.rollout.sync_bucket_mb
+        if not background:
+            metrics = self.broadcast.send(named, bucket_mb, dtype)
+            return {**metrics, "sync/time_s": time.perf_counter() - start}
+        previous = self.finish_send()
+        packed = self.broadcast.pack(named, bucket_mb, dtype)
+        broadcast = self.broadcast
+        self.sending = in_background(lambda: broadcast.send_packed(packed), "vlrl-weight-send")
+        return {**previous, "sync/pack_s": time.perf_counter() - start}
+
+    def finish_send(self) -> dict[str, float]:
+        """Wait for a background send (`send_weights(background=True)`); its metrics, or {}."""
+        sending, self.sending = self.sending, None
+        return sending.result() if sending is not None else {}
 
     def receive_weights(self) -> None:
         """Load the weights training rank 0 broadcasts into this rollout rank's engine."""
