@@ -249,7 +249,7 @@ def run_generate(role: str) -> list[str]:
     worker.role, worker.rollout, worker.image_refs, worker.device = role, engine, None, torch.device("cpu")
     worker.rank = 0  # the first rank of its tensor-parallel group: it returns the rollouts
     worker.config = SimpleNamespace(  # type: ignore[assignment]
-        worker=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=1)),
+        worker=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=1, max_staleness=1)),
         data=SimpleNamespace(rollout_batch_size=1, mini_rollout_batch_size=None),
         algorithm=SimpleNamespace(online_filtering=False, adv_estimator="grpo"),
     )
