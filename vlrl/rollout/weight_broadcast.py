@@ -90,7 +90,10 @@ class WeightBroadcast:
         return buckets
 
     def send_packed(self, buckets: list[tuple[torch.Tensor, list[TensorSlot]]]) -> dict[str, float]:
-        """Broadcast what `pack` made (the rollout ranks are in `receive`)."""
+        """Broadcast what `pack` made (the rollout ranks are in `receive`). May run in a thread: on
+        CUDA `self.device` is `cuda` without an index, i.e. the calling thread's current device,
+        which a new thread starts at 0 (torch keeps it per thread); a Ray rank sees its one GPU as
+        cuda:0, the device the group was made on. Not yet run on a GPU (no tests/gpu case)."""
         sent = 0
         for index, (flat, slots) in enumerate(buckets):
             sent += self._send_flat(flat.to(self.device), slots, index)
