@@ -74,10 +74,11 @@ def main() -> None:
     parser.add_argument(
         "--colour-steps", type=int, default=COLOUR_PHASE.steps, help="steps of the second warm-up phase"
     )
+    parser.add_argument("--n-train", type=int, default=2048, help="training prompts")
     args = parser.parse_args()
     out = Path(args.out)
     if not (out / "data" / "train.jsonl").exists():
-        make_reasoning_dataset(out / "data", seed=args.seed)
+        make_reasoning_dataset(out / "data", n_train=args.n_train, seed=args.seed)
         print(f"built the sum dataset in {out / 'data'}")
     if not (out / "model" / MARKER).exists():
         build_tiny_model(out / "model", "qwen2_5_vl", "tiny", 0, PIXELS, PIXELS, reasoning_tokens=True)

@@ -81,7 +81,7 @@ def test_without_mini_one_round_of_the_whole_batch() -> None:
     assert len(batch) == 16 and prompts.batches == 1 and baselines is None
     assert metrics.pop("reward/overall") == 0.0  # the first round's metrics
     # every group has a 0 and a 1: all mixed, 2 samples generated per mixed group
-    assert metrics == {"groups/mixed_share": 1.0, "groups/all_correct_share": 0.0, "groups/all_wrong_share": 0.0,
+    assert metrics == {"groups/generated_samples": 16.0, "groups/mixed_share": 1.0, "groups/all_correct_share": 0.0, "groups/all_wrong_share": 0.0,
                        "groups/samples_per_mixed_group": 2.0}  # fmt: skip
 
 
@@ -103,6 +103,7 @@ def test_online_filtering_draws_mini_batches_until_full_and_cuts_the_excess() ->
     # 12 groups generated (the cut ones count: they were paid for): 0-5 all correct, 6-11 mixed
     assert metrics["groups/mixed_share"] == 0.5 and metrics["groups/all_correct_share"] == 0.5
     assert metrics["groups/all_wrong_share"] == 0.0 and metrics["groups/samples_per_mixed_group"] == 4.0
+    assert metrics["groups/generated_samples"] == 24.0
 
 
 def test_a_filter_key_the_reward_does_not_return_fails_at_once() -> None:

@@ -303,3 +303,35 @@ def test_a_batch_reward_sees_the_whole_batch_unless_it_declares_partial_batches(
     batch, _ = whole._generate_and_score(whole.data.next_train_batch())
     assert whole.config.worker.reward.streaming and whole.rewards.whole_batches
     assert {parts["calls"] for parts in batch.scored_parts()} == {16.0}  # 4 prompts x 4 samples, one call
+
+
+def test_pass_rate_sampling_over_mixed_sources_resumes_with_the_same_statistics(
+    make, assets: dict[str, Path], tmp_path: Path
+) -> None:
+    """`data.sampler=pass_rate` with `data.train_weights` over two files: every batch takes 3 : 1
+    prompts from them, every round's groups are recorded, and a run resumed from step 2 ends with
+    the statistics and data position of one that ran straight through."""
+    import json
+
+    rows = assets["train"].read_text().splitlines()
+    first, second = assets["train"].parent / "first.jsonl", assets["train"].parent / "second.jsonl"
+    first.write_text("\n".join(rows[:36]) + "\n")
+    second.write_text("\n".join(rows[36:]) + "\n")
+    common = (f"data.train_files=[{first},{second}]", "data.train_weights=[3,1]", "data.sampler=pass_rate",
+              "trainer.save_freq=1", "trainer.val_before_train=false")  # fmt: skip
+    straight = make(*common, "trainer.max_steps=3", f"trainer.save_checkpoint_path={tmp_path / 'a'}")
+    history = straight.fit()
+    assert [h["source/first/share"] for h in history] == [0.75] * 3  # 3 of the 4 prompts of each step
+    assert {"source/second/reward", "source/first/response_length"} <= set(history[-1])
+    stats = straight.data.stats
+    assert int(stats.attempts.sum()) == 3 * 4 * 4 and not stats.pending.any()  # steps x prompts x n
+    assert history[-1]["prompts/seen_share"] == int((stats.attempts > 0).sum()) / 48
+    make(*common, "trainer.max_steps=2", f"trainer.save_checkpoint_path={tmp_path / 'b'}").fit()
+    resumed = make(*common, "trainer.max_steps=3", f"trainer.save_checkpoint_path={tmp_path / 'b'}",
+                   "trainer.find_last_checkpoint=true")  # fmt: skip
+    resumed.fit()
+    logged = (tmp_path / "b" / "logs" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in logged] == [1, 2, 3]  # step 3 alone after the resume
+    saved = [torch.load(tmp_path / run / "global_step_3" / "prompt_stats.pt") for run in ("a", "b")]
+    assert all(torch.equal(saved[0][key], saved[1][key]) for key in saved[0])
+    assert resumed.data.state_dict() == straight.data.state_dict()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from vlrl.algorithms.plan import CORRECTION_NEEDS, ESTIMATOR_NEEDS
 
 if TYPE_CHECKING:
-    from vlrl.config import ActorConfig, AlgorithmConfig, PPOConfig
+    from vlrl.config import ActorConfig, AlgorithmConfig, DataConfig, PPOConfig
 
 MAX_STALENESS = 16  # steps the generation may run ahead of training (worker.rollout.max_staleness)
 KNOWN_LOGGERS = ("console", "file", "wandb", "tensorboard", "swanlab", "mlflow")
@@ -509,11 +509,34 @@ def _check_trainer(config: PPOConfig) -> list[str]:
         errors.append("worker.actor.model.model_path is required (a Hugging Face model folder)")
     if not config.data.train_files:
         errors.append("data.train_files is required")
+    errors += _check_prompt_choice(config.data)
     if trainer.val_only and not config.data.val_files:
         errors.append("trainer.val_only=true validates and exits, and needs data.val_files")
     for key, value in (("data.format_prompt", config.data.format_prompt),):
         if value and not os.path.isfile(value):
             errors.append(f"{key}: file {value!r} does not exist")
+    return errors
+
+
+def _check_prompt_choice(data: DataConfig) -> list[str]:
+    """data.sampler, revisit_share and train_weights (one positive weight per train_files entry)."""
+    from vlrl.data.samplers import SAMPLERS
+    from vlrl.data.sources import spec_entries
+
+    errors = []
+    if data.sampler not in SAMPLERS:
+        errors.append(f"data.sampler={data.sampler!r} must be one of {', '.join(SAMPLERS)}")
+    if not 0.0 <= data.revisit_share <= 1.0:
+        errors.append(f"data.revisit_share={data.revisit_share} must be in [0, 1]")
+    if data.train_weights is not None:
+        entries = spec_entries(data.train_files)
+        if len(data.train_weights) != len(entries):
+            errors.append(
+                f"data.train_weights has {len(data.train_weights)} weights but data.train_files has "
+                f"{len(entries)} entries ({entries}): give one weight per entry"
+            )
+        if any(w < 0 for w in data.train_weights) or sum(data.train_weights) <= 0:
+            errors.append(f"data.train_weights={data.train_weights} must be >= 0 with a positive sum")
     return errors
 
 

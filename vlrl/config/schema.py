@@ -56,9 +56,25 @@ class _Section:
 # --------------------------------------------------------------------------------------- data
 @dataclass
 class DataConfig(_Section):
-    train_files: str = ""
-    """Training data: a .json/.jsonl/.parquet/.csv file, a folder of them, or `hub_name@split`. Relative
+    train_files: str | list[str] = ""
+    """Training data: a .json/.jsonl/.parquet/.csv file, a folder of them, or `hub_name@split`; several
+    as a comma list or a YAML list (each item an *entry*, which `train_weights` can weigh). Relative
     paths: from the launch folder (made absolute at start-up, see `vlrl.config.paths`)."""
+    train_weights: list[float] | None = None
+    """Weighted mixing: one weight per entry of `train_files` (normalised to shares). Each batch takes
+    its prompts from the entries in these proportions (after any number of batches, each entry's
+    share is within one prompt of its weight), whatever their sizes; rows of an entry come in a
+    shuffled order renewed each time the entry is used up. Logs `source/<entry>/*` (share, reward,
+    accuracy, response length) every step. None: the entries are one dataset, shuffled together."""
+    sampler: str = "shuffle"
+    """Which prompts a batch draws. shuffle: every prompt once per epoch, in a seeded shuffled order
+    (`shuffle`, `seed`). pass_rate: prompts whose groups are likely to disagree (GRPO learns only
+    from those), by each prompt's pass rate so far (its `accuracy` reward, else `overall`, which
+    must be in [0, 1]); `revisit_share` of each batch is drawn uniformly. An epoch is then
+    `len(data) / rollout_batch_size` batches, not every prompt once (docs/data.md, "Choosing prompts")."""
+    revisit_share: float = 0.1
+    """sampler=pass_rate: share of each batch drawn uniformly from all prompts, so that solved and
+    hopeless prompts are tried again as the policy changes (0 to 1)."""
     val_files: str = ""
     """Validation data, same forms as `train_files`; empty disables validation."""
     prompt_key: str = "prompt"

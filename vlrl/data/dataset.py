@@ -114,6 +114,14 @@ class RLDataset(torch.utils.data.Dataset):
         except PromptTemplateError as err:
             raise DataError(str(err), file=source.name, row=row_idx) from err
 
+    def row_uids(self) -> list[int]:
+        """Each kept row's uid (`PromptSample.uid`), by dataset index."""
+        return [self.sources[source].offset + row for source, row in self._index]
+
+    def row_entries(self) -> list[int]:
+        """Each kept row's entry of `data.train_files` (`Source.entry`), by dataset index."""
+        return [self.sources[source].entry for source, _ in self._index]
+
     def sample_or_skip(self, index: int) -> PromptSample | None:
         """`self[index]`, or None (logged and counted) when it fails and `data.skip_bad_rows` is set."""
         if index in self._late_bad:

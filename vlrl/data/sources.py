@@ -39,6 +39,7 @@ class Source:
     dataset: Any  # datasets.Dataset
     image_dir: str  # folder relative image paths are joined to
     offset: int = 0  # uid of this source's first row (rows of all sources numbered consecutively)
+    entry: int = 0  # which entry of the spec (comma item or list item) named it: data mixing's unit
 
 
 def _split_spec(spec: str | Sequence[str]) -> list[str]:
@@ -177,12 +178,18 @@ def load_source(entry: str, image_dir: str | None, image_key: str) -> Source:
     return Source(name=entry, dataset=dataset, image_dir=image_dir)
 
 
+def spec_entries(spec: str | Sequence[str]) -> list[str]:
+    """The entries of a data spec (its comma items, or list items): `data.train_weights` weighs these."""
+    return _split_spec(spec)
+
+
 def load_sources(spec: str | Sequence[str], image_dir: str | None, image_key: str) -> list[Source]:
-    """All sources of `spec`, with consecutive uid offsets."""
+    """All sources of `spec`, with consecutive uid offsets, each knowing its entry."""
     sources, offset = [], 0
-    for entry in resolve_files(spec):
-        source = load_source(entry, image_dir, image_key)
-        source.offset = offset
-        offset += len(source.dataset)
-        sources.append(source)
+    for entry, item in enumerate(_split_spec(spec)):
+        for name in resolve_files(item):
+            source = load_source(name, image_dir, image_key)
+            source.offset, source.entry = offset, entry
+            offset += len(source.dataset)
+            sources.append(source)
     return sources

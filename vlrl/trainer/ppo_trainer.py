@@ -210,6 +210,7 @@ class PPOTrainer:
         if self.image_refs is not None:
             self.image_refs.clear()  # the ranks' updates released theirs
         metrics.update(batch_metrics(batch, self.config.data.max_response_length))
+        metrics.update(self.data.step_metrics(batch))
         metrics.update(self._check_drift(metrics))
         stalled = self.signal.update(has_signal(batch.advantages, metrics), metrics)
         if stalled is not None:
@@ -363,7 +364,14 @@ class PPOTrainer:
         """Generation rounds until the batch holds `rollout_batch_size` groups (`BatchFiller`):
         the batch, the ReMax baselines [N] (None for other estimators) and the metrics."""
         remax = self._remax_baselines if self.config.plan.baseline == "greedy" else None
-        return self.filler.fill(lambda round_: self._draw_round(round_, timer), remax)
+        return self.filler.fill(lambda round_: self._recorded(self._draw_round(round_, timer)), remax)
+
+    def _recorded(
+        self, drawn: tuple[PromptBatch, StepSamples, dict[str, float]]
+    ) -> tuple[PromptBatch, StepSamples, dict[str, float]]:
+        """A round, after its groups are added to the prompts' statistics."""
+        self.data.record(drawn[1], self.global_step)
+        return drawn
 
     def _draw_round(
         self, round_: int, timer: PhaseTimer
@@ -471,6 +479,7 @@ class PPOTrainer:
 
         def write_actor(folder: str) -> None:
             self.ranks.call_all(RankWorker.save_checkpoint, folder, model_only)
+            self.data.stats.save(os.path.dirname(folder))
             if self.async_rollout is not None:  # the generation in flight, for an exact resume
                 self.async_rollout.save(os.path.dirname(folder), self._fetch_media, self._rows_of)
 
@@ -516,6 +525,8 @@ class PPOTrainer:
         if self.async_rollout is not None:
             self.async_rollout.load(path, self._publish)
         self.data.load_state_dict(state["dataloader"])
+        if not self.data.stats.load(path):
+            logger.warning("%s holds no prompt statistics (saved by an older vlrl): they start anew", path)
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
         self.global_step = state["global_step"]
         self.history = logged_history(self.run_dir, self.global_step)  # the summary covers the whole run

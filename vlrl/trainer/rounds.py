@@ -54,9 +54,13 @@ class GroupOutcomes:
                 self.all_wrong += all(a == 0.0 for a in accuracy)
 
     def metrics(self) -> dict[str, float]:
-        """`groups/*`: shares of the generated groups, and the samples generated per mixed group
-        (logged when there was one: it is the price of each group the update learns from)."""
-        out = {"groups/mixed_share": self.mixed / max(self.groups, 1)}
+        """`groups/*`: the samples generated (every round), shares of the generated groups, and the
+        samples generated per mixed group (logged when there was one: it is the price of each group
+        the update learns from)."""
+        out = {
+            "groups/generated_samples": float(self.samples),
+            "groups/mixed_share": self.mixed / max(self.groups, 1),
+        }
         if self.has_accuracy:
             out["groups/all_correct_share"] = self.all_correct / max(self.groups, 1)
             out["groups/all_wrong_share"] = self.all_wrong / max(self.groups, 1)

@@ -1,0 +1,142 @@
+"""Choosing prompts: per-prompt statistics, the pass-rate sampler, weighted mixing, and the loader
+resuming all of them exactly."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from test_loader import FakeDataset
+
+from vlrl.config.checks import _check_prompt_choice
+from vlrl.config.schema import DataConfig
+from vlrl.data import StatefulPromptLoader
+from vlrl.data.prompt_stats import PromptStats
+from vlrl.data.samplers import PassRateSampler, SourceMix, mixed_group_chance
+
+
+def _record(stats: PromptStats, uid: int, accuracies: list[float], step: int = 1) -> None:
+    parts = [{"overall": 0.5 * a + 0.5, "accuracy": a} for a in accuracies]
+    stats.record([uid] * len(parts), parts, step)
+
+
+def test_statistics_by_hand() -> None:
+    stats = PromptStats([10, 30, 20])  # uids by dataset index (not sorted)
+    stats.mark_pending([30, 20])
+    _record(stats, 30, [1, 0, 0, 0], step=3)
+    stats.record([20, 20], [{"overall": 0.25}, {"overall": 0.75}], 3)  # no accuracy: overall is the pass
+    _record(stats, 30, [1, 1, 1, 1], step=5)
+    assert stats.attempts.tolist() == [0, 8, 2]
+    assert stats.reward_sum.tolist() == [0.0, 0.5 * 5 + 0.5 * 8, 1.0]
+    assert stats.pass_sum.tolist() == [0.0, 5.0, 1.0]
+    # each group weighs as much as all earlier ones: passes 1 -> 1/2 + 4; fails 3 -> 3/2 + 0
+    assert stats.recent_pass.tolist() == [0.0, 4.5, 1.0] and stats.recent_fail.tolist() == [0.0, 1.5, 1.0]
+    assert stats.last_step.tolist() == [-1, 5, 3] and stats.pending.tolist() == [False, False, False]
+    metrics = stats.metrics()  # pass rates 5/8 and 1/2: one in the bin from 0.6, one from 0.5
+    hist = {key: metrics.pop(key) for key in list(metrics) if key.startswith("prompts/pass_rate_hist/")}
+    assert metrics == {"prompts/seen_share": 2 / 3, "prompts/pass_rate_mean": (5 / 8 + 1 / 2) / 2}
+    assert hist == {f"prompts/pass_rate_hist/{b / 10:.1f}": 0.5 if b in (5, 6) else 0.0 for b in range(10)}
+    with pytest.raises(KeyError, match="uid 40"):
+        stats.record([40], [{"overall": 1.0}], 1)
+    assert "'accuracy' reward is 2" in stats.pass_values_in_unit_range([{"overall": 1.0, "accuracy": 2.0}])
+
+
+def test_mixed_group_chance_is_the_beta_moments() -> None:
+    # a flat prior (mean 0.5, weight 2 = Beta(1, 1)): E[p^n] = 1 / (n + 1)
+    flat = mixed_group_chance(torch.zeros(1), torch.zeros(1), 8, 0.5)
+    assert flat.item() == pytest.approx(1 - 2 / 9)
+    # Beta(1 + 2, 1 + 0), n = 2: E[p^2] = 3*4/(4*5) = 3/5, E[(1-p)^2] = 1*2/(4*5) = 1/10
+    seen = mixed_group_chance(torch.tensor([2.0]), torch.tensor([0.0]), 2, 0.5)
+    assert seen.item() == pytest.approx(1 - 3 / 5 - 1 / 10)
+    solved = mixed_group_chance(torch.tensor([16.0]), torch.tensor([0.0]), 8, 0.5)
+    assert solved.item() == pytest.approx(1 - 17 / 25 - 0.0, abs=1e-6)  # E[p^8] = 17/25; E[(1-p)^8] ~ 1e-7
+    assert solved.item() < 0.4 < flat.item()
+
+
+def _stats_with_kinds() -> PromptStats:
+    """30 prompts: 0-9 solved, 10-19 hopeless, 20-29 half right, each seen twice."""
+    stats = PromptStats(range(30))
+    for uid, _ in itertools.product(range(30), range(2)):
+        _record(stats, uid, [1.0] * 8 if uid < 10 else [0.0] * 8 if uid < 20 else [1.0, 0.0] * 4)
+    return stats
+
+
+def test_the_sampler_draws_prompts_by_their_chance_of_a_mixed_group_and_revisits_the_rest() -> None:
+    stats = _stats_with_kinds()
+    rows = torch.arange(30)
+    # one prompt per batch: drawn with probability proportional to its chance of a mixed group
+    chance = mixed_group_chance(stats.recent_pass, stats.recent_fail, 8, prior_mean=0.5)
+    expected_mixed = float(chance[20:].sum() / chance.sum())
+    firsts = [
+        PassRateSampler(stats, 8, seed=1, revisit_share=0.0).rank(rows, 1, draw)[0] for draw in range(3000)
+    ]
+    assert sum(r >= 20 for r in firsts) / 3000 == pytest.approx(expected_mixed, abs=0.03)
+    assert expected_mixed > 0.5 and chance[20] > 2.5 * chance[0]  # 10 of 30 prompts, over half the draws
+    ranked = [PassRateSampler(stats, 8, seed=1, revisit_share=0.0).rank(rows, 10, draw) for draw in range(20)]
+    assert all(sorted(r) == list(range(30)) for r in ranked)  # every row once: drawn, then spares
+    assert PassRateSampler(stats, 8, seed=1, revisit_share=0.0).rank(rows, 10, 3) == ranked[3]  # (seed, draw)
+    assert PassRateSampler(stats, 8, seed=2, revisit_share=0.0).rank(rows, 10, 3) != ranked[3]
+    # revisit_share=1: the whole batch uniform, so the mixed third gets a third of the draws
+    uniform = [PassRateSampler(stats, 8, seed=1, revisit_share=1.0).rank(rows, 1, d)[0] for d in range(3000)]
+    assert sum(r >= 20 for r in uniform) / 3000 == pytest.approx(1 / 3, abs=0.03)
+    stats.mark_pending(list(range(20, 30)))  # drawn, not scored yet: every other row comes first
+    assert all(r < 20 for r in PassRateSampler(stats, 8, seed=1, revisit_share=0.0).rank(rows, 10, 0)[:20])
+
+
+def test_mixing_shares_stay_within_one_prompt_of_the_weights() -> None:
+    entries = [torch.arange(0, 100), torch.arange(100, 107)]  # the small entry is cycled through
+    mix = SourceMix(entries, [0.75, 0.25], seed=1, within=None)
+    drawn = [mix.rank(16, draw)[:16] for draw in range(100)]
+    for batches in range(1, 101):
+        small = sum(r >= 100 for batch in drawn[:batches] for r in batch)
+        assert abs(small - 0.25 * 16 * batches) <= 1
+    small_rows = [r for batch in drawn for r in batch if r >= 100]
+    for start in range(0, 399, 7):  # each pass through the small entry takes every row once
+        assert sorted(small_rows[start : start + 7]) == list(range(100, 107))
+
+
+def test_a_mixed_pass_rate_loader_resumes_exactly() -> None:
+    def loader(stats: PromptStats) -> StatefulPromptLoader:
+        entries = [torch.arange(0, 14), torch.arange(14, 20)]
+        mix = SourceMix(entries, [2.0, 1.0], seed=5, within=PassRateSampler(stats, 4, 5, 0.25))
+        return StatefulPromptLoader(FakeDataset(20), 3, seed=5, picker=mix, stats=stats)
+
+    def score(stats: PromptStats, uids: list[int], step: int) -> None:
+        for uid in uids:
+            _record(stats, uid, [float((uid * step + k) % 3 == 0) for k in range(4)], step)
+
+    def run(stats: PromptStats, ld: StatefulPromptLoader, steps: range) -> list[list[int]]:
+        batches = itertools.islice(itertools.chain.from_iterable(itertools.repeat(ld)), len(steps))
+        out = []
+        for step, batch in zip(steps, batches):
+            assert stats.pending[stats.indices(batch.uids)].all()
+            score(stats, batch.uids, step)
+            out.append(batch.uids)
+        return out
+
+    stats = PromptStats(range(20))
+    straight = run(stats, loader(stats), range(1, 16))  # 15 batches: more than two epochs of 6
+    assert all(sum(u >= 14 for u in batch) == 1 for batch in straight)  # 2 : 1 in every batch of 3
+    first = PromptStats(range(20))
+    ld = loader(first)
+    head = run(first, ld, range(1, 9))
+    saved_loader, saved_stats = ld.state_dict(), first.state_dict()
+    again = PromptStats(range(20))
+    again.load_state_dict(saved_stats)
+    resumed = loader(again)
+    resumed.load_state_dict(saved_loader)
+    assert head + run(again, resumed, range(9, 16)) == straight
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), stats.state_dict().values()))
+
+
+def test_start_up_checks_name_the_keys() -> None:
+    def problems(**data: object) -> list[str]:
+        return _check_prompt_choice(DataConfig(train_files="a.jsonl,b.jsonl", **data))  # type: ignore[arg-type]
+
+    assert problems(sampler="pass_rate", train_weights=[3, 1]) == []
+    assert "data.sampler='by_rate' must be one of shuffle, pass_rate" in problems(sampler="by_rate")
+    assert "data.revisit_share=1.5 must be in [0, 1]" in problems(revisit_share=1.5)
+    [one] = problems(train_weights=[1.0])
+    assert "1 weights but data.train_files has 2 entries" in one
+    assert "must be >= 0 with a positive sum" in problems(train_weights=[0.0, 0.0])[0]

@@ -1,0 +1,135 @@
+"""`PromptStats`: what each training prompt's groups scored so far, kept by the driver.
+
+Every generated group (every round, before online filtering) is recorded: its samples count as
+attempts, their `overall` rewards add to the reward sum, and their *pass* values add to the pass sum.
+A sample's pass value is its `accuracy` reward part when the reward function returns one, else its
+`overall` reward. Arrays are indexed by dataset index (the loader's numbering); a batch names its
+prompts by uid (`PromptSample.uid`), mapped here with a sorted copy of the uids.
+
+Memory: 41 bytes per prompt (41 MB at a million prompts). Saved in each checkpoint as
+`prompt_stats.pt` and loaded on resume, so the statistics (and the pass-rate sampler that reads
+them) continue exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+FILE = "prompt_stats.pt"
+HIST_BINS = 10  # bins of the logged pass-rate histogram
+
+
+def hist_key(bin_: int) -> str:
+    """The metric key of pass-rate histogram bin `bin_` (0 .. HIST_BINS - 1)."""
+    return f"prompts/pass_rate_hist/{bin_ / HIST_BINS:.1f}"
+
+
+_FIELDS = ("attempts", "reward_sum", "pass_sum", "recent_pass", "recent_fail", "last_step", "pending")
+
+
+class PromptStats:
+    """Per-prompt attempts, reward sum, pass sum and last step recorded (-1: never). The pass-rate
+    sampler reads `recent_pass` / `recent_fail` (each new group weighs as much as all earlier ones
+    together: a prompt's estimate follows the policy as it learns) and `pending` (handed out in a
+    batch whose scores have not come back yet: async prefetch, later rounds)."""
+
+    def __init__(self, uids: Sequence[int]) -> None:
+        self.uids = torch.as_tensor(list(uids), dtype=torch.long)  # [N] uid of each dataset index
+        self._sorted_uids, self._index_of_sorted = torch.sort(self.uids)
+        n = len(self.uids)
+        self.attempts = torch.zeros(n, dtype=torch.int32)
+        self.reward_sum = torch.zeros(n, dtype=torch.float64)
+        self.pass_sum = torch.zeros(n, dtype=torch.float64)
+        self.recent_pass = torch.zeros(n, dtype=torch.float32)
+        self.recent_fail = torch.zeros(n, dtype=torch.float32)
+        self.last_step = torch.full((n,), -1, dtype=torch.int32)
+        self.pending = torch.zeros(n, dtype=torch.bool)
+
+    def __len__(self) -> int:
+        return len(self.uids)
+
+    def indices(self, uids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Dataset indices of `uids` [M]; a KeyError naming a uid this dataset does not hold."""
+        wanted = torch.as_tensor(uids, dtype=torch.long)
+        where = torch.searchsorted(self._sorted_uids, wanted).clamp(max=max(len(self) - 1, 0))
+        missing = (
+            self._sorted_uids[where] != wanted if len(self) else torch.ones_like(wanted, dtype=torch.bool)
+        )
+        if bool(missing.any()):
+            raise KeyError(f"prompt uid {int(wanted[missing][0])} is not a row of the training data")
+        return self._index_of_sorted[where]
+
+    def mark_pending(self, uids: Sequence[int]) -> None:
+        self.pending[self.indices(uids)] = True
+
+    def record(self, uids: Sequence[int], parts: Sequence[dict[str, float]], step: int) -> None:
+        """Record one round's samples: `uids[i]` is sample i's prompt, `parts[i]` its reward parts."""
+        if not uids:
+            return
+        rows = self.indices(uids)
+        overall = torch.tensor([float(p["overall"]) for p in parts], dtype=torch.float64)
+        passes = torch.tensor([float(p.get("accuracy", p["overall"])) for p in parts], dtype=torch.float64)
+        prompts, slot = torch.unique(rows, return_inverse=True)  # each prompt once, in slots [P]
+        group_pass = torch.zeros(len(prompts), dtype=torch.float64).index_add_(0, slot, passes)
+        group_size = torch.zeros(len(prompts), dtype=torch.float64).index_add_(
+            0, slot, torch.ones_like(passes)
+        )
+        self.attempts.index_add_(0, rows, torch.ones(len(rows), dtype=torch.int32))
+        self.reward_sum.index_add_(0, rows, overall)
+        self.pass_sum.index_add_(0, rows, passes)
+        # halve the earlier evidence, then add this group's: [P]
+        self.recent_pass[prompts] = (self.recent_pass[prompts] / 2 + group_pass).float()
+        self.recent_fail[prompts] = (self.recent_fail[prompts] / 2 + group_size - group_pass).float()
+        self.last_step[prompts] = step
+        self.pending[prompts] = False
+
+    def pass_values_in_unit_range(self, parts: Sequence[dict[str, float]]) -> str | None:
+        """Why these samples' pass values cannot be pass rates (outside [0, 1]), or None."""
+        for p in parts:
+            value = float(p.get("accuracy", p["overall"]))
+            if not 0.0 <= value <= 1.0:
+                name = "accuracy" if "accuracy" in p else "overall"
+                return f"a sample's {name!r} reward is {value:g}, outside [0, 1]"
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """`prompts/seen_share`: prompts attempted at least once; over them, `prompts/pass_rate_mean`
+        and the histogram of their pass rates, `prompts/pass_rate_hist/<lo>` = the share in
+        [lo, lo + 0.1) (the last bin holds 1.0)."""
+        seen = self.attempts > 0
+        out = {"prompts/seen_share": int(seen.sum()) / max(len(self), 1)}
+        if bool(seen.any()):
+            rates = self.pass_sum[seen] / self.attempts[seen]  # [seen]
+            out["prompts/pass_rate_mean"] = float(rates.mean())
+            bins = (rates * HIST_BINS).long().clamp(0, HIST_BINS - 1)
+            counts = torch.bincount(bins, minlength=HIST_BINS).tolist()
+            out.update({hist_key(b): c / len(rates) for b, c in enumerate(counts)})
+        return out
+
+    # ---- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"uids": self.uids, **{name: getattr(self, name) for name in _FIELDS}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not torch.equal(state["uids"], self.uids):
+            raise ValueError(
+                "the checkpoint's prompt statistics are of other training data (their prompt uids differ); "
+                "resume with the data the run was started with"
+            )
+        for name in _FIELDS:
+            setattr(self, name, state[name].clone())
+
+    def save(self, folder: str) -> None:
+        torch.save(self.state_dict(), os.path.join(folder, FILE))
+
+    def load(self, folder: str) -> bool:
+        """Load `folder`'s statistics; False when the checkpoint has none (saved by an older vlrl)."""
+        path = os.path.join(folder, FILE)
+        if not os.path.isfile(path):
+            return False
+        self.load_state_dict(torch.load(path, weights_only=True))
+        return True

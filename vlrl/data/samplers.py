@@ -1,0 +1,174 @@
+"""Which prompts a training batch draws, beyond the loader's plain per-epoch shuffle.
+
+`PassRateSampler` (`data.sampler=pass_rate`): draws prompts whose groups are likely to disagree,
+the only groups GRPO learns from. A prompt's pass rate p has a Beta posterior: prior mean the mean
+pass rate of the prompts seen so far (0.5 before any), prior weight 2 samples, plus its recent
+passes and fails (`PromptStats.recent_pass` / `recent_fail`). The chance that a group of n samples
+is mixed is 1 - E[p^n] - E[(1-p)^n] (Beta moments: E[p^n] = B(a+n, b) / B(a, b)). A batch draws
+(1 - revisit_share) of its prompts by that chance, without replacement (Efraimidis-Spirakis keys),
+and the rest uniformly, so that solved and hopeless prompts are looked at again. Prompts whose
+scores have not come back yet (`PromptStats.pending`) are not drawn while others are left.
+
+`SourceMix` (`data.train_weights`): each batch takes its prompts from the entries of
+`data.train_files` in proportion to the weights (a slot goes to the entry furthest behind its share,
+so the shares after any number of batches are within one prompt of the weights). Within an entry,
+rows come in a seeded shuffled order, reshuffled each time the entry is used up, or by pass rate.
+
+Both are deterministic for a seed: a batch's draw depends on the seed, the batch's number and the
+state the loader saves (and the statistics the checkpoint saves).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from vlrl.data.prompt_stats import PromptStats
+
+PRIOR_WEIGHT = 2.0  # samples' worth of evidence in the prior
+SAMPLERS = ("shuffle", "pass_rate")
+
+
+def _generator(*parts: int) -> torch.Generator:
+    """A generator seeded by a tuple of ints (seed, purpose, batch number, ...)."""
+    seed = 0
+    for part in parts:
+        seed = (seed * 1_000_003 + int(part)) % (2**63 - 1)
+    return torch.Generator().manual_seed(seed)
+
+
+def mixed_group_chance(passes: torch.Tensor, fails: torch.Tensor, n: int, prior_mean: float) -> torch.Tensor:
+    """P(a group of `n` samples has both passes and fails) under each prompt's Beta posterior
+    Beta(prior_mean * 2 + passes, (1 - prior_mean) * 2 + fails). [P] float64"""
+    mean = min(max(prior_mean, 0.02), 0.98)
+    a = passes.double() + mean * PRIOR_WEIGHT
+    b = fails.double() + (1 - mean) * PRIOR_WEIGHT
+
+    def log_beta(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.lgamma(x) + torch.lgamma(y) - torch.lgamma(x + y)
+
+    all_pass = torch.exp(log_beta(a + n, b) - log_beta(a, b))
+    all_fail = torch.exp(log_beta(a, b + n) - log_beta(a, b))
+    return (1 - all_pass - all_fail).clamp(min=0.0)
+
+
+class PassRateSampler:
+    """Ranks candidate rows for a batch by their chance of a mixed group (see the module docstring).
+    `n`: samples per prompt (`worker.rollout.n`); `revisit_share`: `data.revisit_share`."""
+
+    def __init__(self, stats: PromptStats, n: int, seed: int, revisit_share: float) -> None:
+        self.stats, self.n, self.seed, self.revisit_share = stats, n, seed, revisit_share
+
+    def rank(self, rows: torch.Tensor, size: int, draw: int, salt: int = 0) -> list[int]:
+        """`rows` (dataset indices [R]) ordered for a batch of `size`: the first `size` are drawn, the
+        rest are spares (a row that fails to load is replaced by the next) in their key order."""
+        stats, generator = self.stats, _generator(self.seed, 7, draw, salt)
+        seen = stats.attempts > 0
+        prior = float(stats.pass_sum[seen].sum() / stats.attempts[seen].sum()) if bool(seen.any()) else 0.5
+        chance = mixed_group_chance(stats.recent_pass[rows], stats.recent_fail[rows], self.n, prior)
+        weighted_keys = torch.rand(len(rows), generator=generator, dtype=torch.float64).log() / chance.clamp(
+            min=1e-12
+        )
+        uniform_keys = torch.rand(len(rows), generator=generator, dtype=torch.float64)
+        # pending rows rank after every other row (they are drawn only when nothing else is left)
+        pending = stats.pending[rows]
+        weighted_keys[pending] = -float("inf")
+        by_weight = torch.argsort(weighted_keys, descending=True, stable=True)
+        n_revisit = min(round(self.revisit_share * size), len(rows))
+        n_weighted = min(size - n_revisit, len(rows))
+        chosen = by_weight[:n_weighted]
+        rest = torch.ones(len(rows), dtype=torch.bool)
+        rest[chosen] = False
+        uniform_keys[~rest] = -1.0
+        uniform_keys[pending & rest] = -0.5
+        by_uniform = torch.argsort(uniform_keys, descending=True, stable=True)
+        revisits = by_uniform[: min(n_revisit, int(rest.sum()))]
+        picked = torch.cat([chosen, revisits])
+        spare = torch.ones(len(rows), dtype=torch.bool)
+        spare[picked] = False
+        order = torch.cat([picked, by_weight[spare[by_weight]]])
+        return rows[order].tolist()
+
+
+class SourceMix:
+    """Batches drawn from `entries` (dataset indices of each `data.train_files` entry) by `weights`;
+    within an entry by `within` (a `PassRateSampler`) or a shuffled cycle (None)."""
+
+    def __init__(
+        self, entries: list[torch.Tensor], weights: list[float], seed: int, within: PassRateSampler | None
+    ) -> None:
+        total = sum(weights)
+        self.entries, self.shares, self.seed, self.within = (
+            entries,
+            [w / total for w in weights],
+            seed,
+            within,
+        )
+        self.given = [0] * len(entries)  # prompts drawn from each entry so far
+        self.cycle = [0] * len(entries)  # shuffled passes through each entry begun
+        self.position = [0] * len(entries)  # rows taken in the current pass
+
+    def counts(self, size: int) -> list[int]:
+        """Prompts from each entry in the next batch of `size`: each slot to the entry furthest
+        below its share of all slots so far."""
+        given, counts = list(self.given), [0] * len(self.entries)
+        for _ in range(size):
+            total = sum(given) + 1
+            entry = max(range(len(given)), key=lambda e: (self.shares[e] * total - given[e], -e))
+            given[entry] += 1
+            counts[entry] += 1
+        return counts
+
+    def rank(self, size: int, draw: int) -> list[int]:
+        """The next batch's rows, then spares; advances the state (the loader saves it)."""
+        picked: list[int] = []
+        spares: list[int] = []
+        for entry, count in enumerate(self.counts(size)):
+            if count == 0:
+                continue
+            rows = (
+                self._next_rows(entry, count)
+                if self.within is None
+                else self.within.rank(self.entries[entry], count, draw, salt=entry)
+            )
+            picked += rows[:count]
+            spares += rows[count:]
+            self.given[entry] += count
+        return picked + spares
+
+    def _next_rows(self, entry: int, count: int) -> list[int]:
+        """`count` rows of `entry` in its shuffled order (a new order for each pass through it),
+        then up to as many spares; the state advances by `count`."""
+        length = len(self.entries[entry])
+        stream = self._stream(entry, self.cycle[entry], self.position[entry])
+        out = list(itertools.islice(stream, count + min(count, length)))
+        position = self.position[entry] + count
+        self.cycle[entry] += position // length
+        self.position[entry] = position % length
+        return out
+
+    def _stream(self, entry: int, cycle: int, position: int) -> Iterator[int]:
+        rows = self.entries[entry]
+        while True:
+            order = torch.randperm(len(rows), generator=_generator(self.seed, 11, entry, cycle))
+            yield from rows[order][position:].tolist()
+            cycle, position = cycle + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"given": list(self.given), "cycle": list(self.cycle), "position": list(self.position)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("given", "cycle", "position"):
+            if len(state[key]) != len(self.entries):
+                raise ValueError(
+                    f"cannot resume: the checkpoint's data mixing has {len(state[key])} entries but "
+                    f"data.train_files has {len(self.entries)}"
+                )
+        self.given, self.cycle, self.position = (
+            list(state["given"]),
+            list(state["cycle"]),
+            list(state["position"]),
+        )
