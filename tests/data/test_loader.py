@@ -9,6 +9,7 @@ import torch
 from data_helpers import write_jsonl
 
 from vlrl.data import PromptSample, RLDataset, StatefulPromptLoader, create_dataloaders
+from vlrl.data.errors import DataError
 
 
 class FakeDataset:
@@ -98,3 +99,28 @@ def test_create_dataloaders(tokenizer_processor, make_config, tmp_path):
     assert isinstance(train.dataset, RLDataset) and train.seed == config.seed
     assert _uids(val) == [[0, 1, 2]]
     assert create_dataloaders(make_config(train_files=train_path), tokenizer, processor)[1] is None
+
+
+def test_create_dataloaders_builds_the_curriculum_and_the_mix(tokenizer_processor, make_config, tmp_path):
+    tokenizer, processor = tokenizer_processor("qwen2_5_vl")
+    rows = [{"problem": f"question {i}", "answer": str(i), "level": 7 - i} for i in range(8)]
+    train_path = write_jsonl(tmp_path / "train.jsonl", rows)
+    easy_first = make_config(
+        train_files=train_path, rollout_batch_size=2, curriculum="column:level", curriculum_start=0.25,
+        curriculum_steps=3,
+    )  # fmt: skip
+    train, _ = create_dataloaders(easy_first, tokenizer, processor)
+    first = next(iter(train))
+    assert sorted(first.uids) == [6, 7]  # levels 1 and 0: the easiest quarter
+    no_level = write_jsonl(tmp_path / "plain.jsonl", [{"problem": "q", "answer": "a"}] * 4)
+    with pytest.raises(DataError, match="column 'level', which this file lacks"):
+        create_dataloaders(make_config(train_files=no_level, curriculum="column:level", curriculum_steps=2),
+                           tokenizer, processor)  # fmt: skip
+    words = write_jsonl(tmp_path / "words.jsonl", [{"problem": "q", "answer": "a", "level": "hard"}] * 4)
+    with pytest.raises(DataError, match="must hold numbers"):
+        create_dataloaders(make_config(train_files=words, curriculum="column:level", curriculum_steps=2),
+                           tokenizer, processor)  # fmt: skip
+    mixed = make_config(train_files=[train_path, no_level], train_weights=[1, 1], rollout_batch_size=4)
+    train, _ = create_dataloaders(mixed, tokenizer, processor)
+    batch = next(iter(train))
+    assert sum(uid >= 8 for uid in batch.uids) == 2  # two from each file's rows (uids 8-11 are the second's)

@@ -13,7 +13,7 @@ from vlrl.config.checks import _check_prompt_choice
 from vlrl.config.schema import DataConfig
 from vlrl.data import StatefulPromptLoader
 from vlrl.data.prompt_stats import PromptStats
-from vlrl.data.samplers import PassRateSampler, SourceMix, mixed_group_chance
+from vlrl.data.samplers import Curriculum, PassRateSampler, SourceMix, mixed_group_chance
 
 
 def _record(stats: PromptStats, uid: int, accuracies: list[float], step: int = 1) -> None:
@@ -130,6 +130,28 @@ def test_a_mixed_pass_rate_loader_resumes_exactly() -> None:
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), stats.state_dict().values()))
 
 
+def test_the_curriculum_widens_its_pool_from_the_easiest_rows() -> None:
+    stats = PromptStats(range(40))
+    by_column = Curriculum(torch.arange(40.0).flip(0), stats, start=0.25, ramp_batches=4, seed=3, within=None)
+    assert [by_column.pool_share(d) for d in (0, 2, 4, 9)] == [0.25, 0.625, 1.0, 1.0]
+    first = by_column.rank(4, 0)
+    assert len(first) == 40 and set(first[:10]) == set(range(30, 40))  # the pool: the 10 lowest values
+    assert first[10:] == list(range(29, -1, -1))  # then the rest, easiest first
+    assert all(r >= 15 for d in range(20) for r in Curriculum(
+        torch.arange(40.0).flip(0), stats, 0.25, 4, seed=d, within=None).rank(4, 2)[:4])  # fmt: skip
+    assert by_column.rank(4, 1) == by_column.rank(4, 1) and by_column.rank(4, 1) != by_column.rank(4, 3)
+    # by pass rate: the prompts solved so far are the easy ones, unseen at the mean, failed last
+    for uid in range(40):
+        if uid % 4 == 0:
+            _record(stats, uid, [1.0] * 4)
+        elif uid % 4 == 1:
+            _record(stats, uid, [0.0] * 4)
+    by_pass = Curriculum(None, stats, start=0.25, ramp_batches=4, seed=3, within=None)
+    ranked = by_pass.rank(4, 0)
+    assert set(ranked[:10]) == {u for u in range(40) if u % 4 == 0}
+    assert {u % 4 for u in ranked[-10:]} == {1}
+
+
 def test_start_up_checks_name_the_keys() -> None:
     def problems(**data: object) -> list[str]:
         return _check_prompt_choice(DataConfig(train_files="a.jsonl,b.jsonl", **data))  # type: ignore[arg-type]
@@ -140,3 +162,7 @@ def test_start_up_checks_name_the_keys() -> None:
     [one] = problems(train_weights=[1.0])
     assert "1 weights but data.train_files has 2 entries" in one
     assert "must be >= 0 with a positive sum" in problems(train_weights=[0.0, 0.0])[0]
+    assert "must be column:NAME" in problems(curriculum="level", curriculum_steps=5)[0]
+    assert "needs data.curriculum_steps >= 1" in problems(curriculum="pass_rate")[0]
+    assert "not combined" in problems(curriculum="column:level", curriculum_steps=5, train_weights=[1, 1])[0]
+    assert problems(curriculum="column:level", curriculum_steps=5) == []

@@ -335,3 +335,26 @@ def test_pass_rate_sampling_over_mixed_sources_resumes_with_the_same_statistics(
     saved = [torch.load(tmp_path / run / "global_step_3" / "prompt_stats.pt") for run in ("a", "b")]
     assert all(torch.equal(saved[0][key], saved[1][key]) for key in saved[0])
     assert resumed.data.state_dict() == straight.data.state_dict()
+
+
+def test_validation_generates_its_image_rows_again_with_blank_and_swapped_images(
+    make, assets: dict[str, Path]
+) -> None:
+    trainer = make(f"data.val_files={assets['val']}", "trainer.val_blind_rows=3")
+    calls = []
+    generate = trainer._generate_and_score
+
+    def spy(prompts, *args, **kwargs):
+        calls.append([[image.pixels().tobytes() for image in row] for row in prompts.images])
+        return generate(prompts, *args, **kwargs)
+
+    trainer._generate_and_score = spy
+    metrics = trainer.validate()
+    real, blank, swap = calls  # the 4 validation prompts; then the first 3, blanked; then swapped
+    assert len(real) == 4 and len({row[0] for row in real}) == 4  # four different images
+    assert blank == [[bytes([128]) * len(real[0][0])]] * 3 and swap == real[1:3] + real[:1]
+    assert {"val/blind_overall", "val/swapped_overall", "val/blind_gap", "val/swapped_gap"} <= set(metrics)
+    assert 0.0 <= metrics["val/blind_overall"] <= 1.0
+    calls.clear()
+    off = make(f"data.val_files={assets['val']}", "trainer.val_blind_rows=0")
+    assert not any(key.startswith("val/blind") for key in off.validate())

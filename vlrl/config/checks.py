@@ -503,6 +503,8 @@ def _check_trainer(config: PPOConfig) -> list[str]:
         errors.append(f"trainer.dist_timeout_minutes={trainer.dist_timeout_minutes} must be > 0")
     if trainer.max_steps is not None and trainer.max_steps < 1:
         errors.append(f"trainer.max_steps={trainer.max_steps} must be >= 1 (or null)")
+    if trainer.val_blind_rows < 0:
+        errors.append(f"trainer.val_blind_rows={trainer.val_blind_rows} must be >= 0 (0: off)")
     if trainer.total_epochs < 1:
         errors.append(f"trainer.total_epochs={trainer.total_epochs} must be >= 1")
     if not config.worker.actor.model.model_path:
@@ -528,6 +530,21 @@ def _check_prompt_choice(data: DataConfig) -> list[str]:
         errors.append(f"data.sampler={data.sampler!r} must be one of {', '.join(SAMPLERS)}")
     if not 0.0 <= data.revisit_share <= 1.0:
         errors.append(f"data.revisit_share={data.revisit_share} must be in [0, 1]")
+    if data.curriculum is not None:
+        if data.curriculum != "pass_rate" and not (
+            data.curriculum.startswith("column:") and data.curriculum[7:]
+        ):
+            errors.append(
+                f"data.curriculum={data.curriculum!r} must be column:NAME (a numeric column) or pass_rate"
+            )
+        if data.curriculum_steps < 1:
+            errors.append(
+                "data.curriculum needs data.curriculum_steps >= 1 (the steps until all the data is in use)"
+            )
+        if not 0.0 < data.curriculum_start <= 1.0:
+            errors.append(f"data.curriculum_start={data.curriculum_start} must be in (0, 1]")
+        if data.train_weights is not None:
+            errors.append("data.curriculum and data.train_weights are not combined: use one of them")
     if data.train_weights is not None:
         entries = spec_entries(data.train_files)
         if len(data.train_weights) != len(entries):

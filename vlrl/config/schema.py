@@ -72,6 +72,17 @@ class DataConfig(_Section):
     from those), by each prompt's pass rate so far (its `accuracy` reward, else `overall`, which
     must be in [0, 1]); `revisit_share` of each batch is drawn uniformly. An epoch is then
     `len(data) / rollout_batch_size` batches, not every prompt once (docs/data.md, "Choosing prompts")."""
+    curriculum: str | None = None
+    """Easy to hard: `column:NAME` ranks prompts by a numeric column (low: easy), `pass_rate` by each
+    prompt's pass rate so far (high: easy; unseen prompts at the mean). Batches draw from the
+    easiest `curriculum_start` of the data at first, growing linearly to all of it after
+    `curriculum_steps` steps; within that pool uniformly, or by `sampler=pass_rate`. Not combined
+    with `train_weights`. None: off."""
+    curriculum_start: float = 0.25
+    """Share of the data (the easiest) that the first batch draws from (0 to 1)."""
+    curriculum_steps: int = 0
+    """Steps until the whole data is in the pool (counted in loader batches: one per step unless
+    online filtering or `mini_rollout_batch_size` draws more); required (>= 1) with `curriculum`."""
     revisit_share: float = 0.1
     """sampler=pass_rate: share of each batch drawn uniformly from all prompts, so that solved and
     hopeless prompts are tried again as the policy changes (0 to 1)."""
@@ -578,6 +589,12 @@ class TrainerConfig(_Section):
     """Validate and exit."""
     val_generations_to_log: int = 0
     """Validation generations written to the loggers each validation."""
+    val_blind_rows: int = 32
+    """Does the model look at the image? At each validation the first N validation prompts with
+    images are generated again with every image blanked (grey) and with another row's images; logs
+    val/blind_accuracy, val/swapped_accuracy (or _overall without an accuracy reward) and their gaps to
+    the same prompts' real score, and warns when validation improved but the blank-image gap stayed
+    small (vlrl/trainer/visual_reliance.py). 0: off."""
     save_freq: int = -1
     """Checkpoint every N steps (-1: only at the end)."""
     save_limit: int = -1

@@ -122,6 +122,26 @@ class RLDataset(torch.utils.data.Dataset):
         """Each kept row's entry of `data.train_files` (`Source.entry`), by dataset index."""
         return [self.sources[source].entry for source, _ in self._index]
 
+    def column_values(self, column: str) -> list[float]:
+        """Each kept row's number in `column`, by dataset index (`data.curriculum=column:NAME`); a
+        DataError naming the file and row where the column is missing or not a number."""
+        values = []
+        for source_idx, row in self._index:
+            source = self.sources[source_idx]
+            if column not in source.dataset.column_names:
+                raise DataError(
+                    f"data.curriculum names column {column!r}, which this file lacks", file=source.name
+                )
+            value = source.dataset[row][column]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise DataError(
+                    f"data.curriculum's column {column!r} must hold numbers (low: easy), got {value!r}",
+                    file=source.name,
+                    row=row,
+                )
+            values.append(float(value))
+        return values
+
     def sample_or_skip(self, index: int) -> PromptSample | None:
         """`self[index]`, or None (logged and counted) when it fails and `data.skip_bad_rows` is set."""
         if index in self._late_bad:

@@ -11,6 +11,7 @@ the first batch of the next epoch. Order in epoch e is a permutation seeded by `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,8 +20,10 @@ import torch
 from vlrl.batch.rows import PromptBatch
 from vlrl.data.collate import collate_prompts
 from vlrl.data.prompt_stats import PromptStats
-from vlrl.data.samplers import PassRateSampler, SourceMix
+from vlrl.data.samplers import Curriculum, PassRateSampler, SourceMix
 from vlrl.data.sources import DataError
+
+Picker = PassRateSampler | SourceMix | Curriculum
 
 
 class StatefulPromptLoader:
@@ -37,7 +40,7 @@ class StatefulPromptLoader:
         seed: int = 1,
         drop_last: bool = True,
         pad_token_id: int | None = None,
-        picker: PassRateSampler | SourceMix | None = None,
+        picker: Picker | None = None,
         stats: PromptStats | None = None,
     ) -> None:
         self.dataset = dataset
@@ -92,10 +95,10 @@ class StatefulPromptLoader:
 
     def _ranked(self, draw: int) -> list[int]:
         """Dataset indices for batch number `draw` of the run, then spares (`picker`)."""
-        if isinstance(self.picker, SourceMix):
-            return self.picker.rank(self.batch_size, draw)
+        if isinstance(self.picker, PassRateSampler):
+            return self.picker.rank(torch.arange(len(self.dataset)), self.batch_size, draw)
         assert self.picker is not None
-        return self.picker.rank(torch.arange(len(self.dataset)), self.batch_size, draw)
+        return self.picker.rank(self.batch_size, draw)
 
     def _samples(self, wanted: list[int], spares: list[int]) -> list[Any]:
         """The samples of rows `wanted`. With `data.skip_bad_rows`, a row that fails when drawn
@@ -181,13 +184,20 @@ def create_dataloaders(
     return train, val
 
 
-def _picker(config: Any, dataset: Any, stats: PromptStats, n: int) -> PassRateSampler | SourceMix | None:
-    """The training loader's sampler for `data.sampler` / `data.train_weights` (None: shuffle)."""
+def _picker(config: Any, dataset: Any, stats: PromptStats, n: int) -> Picker | None:
+    """The training loader's sampler for `data.sampler`, `data.train_weights` and `data.curriculum`
+    (None: the plain shuffle)."""
     by_pass_rate = (
         PassRateSampler(stats, n, config.seed, config.revisit_share)
         if config.sampler == "pass_rate"
         else None
     )
+    if config.curriculum is not None:
+        column = config.curriculum.removeprefix("column:") if config.curriculum != "pass_rate" else None
+        difficulty = torch.tensor(dataset.column_values(column), dtype=torch.float64) if column else None
+        per_step = config.rollout_batch_size / (config.mini_rollout_batch_size or config.rollout_batch_size)
+        ramp = math.ceil(config.curriculum_steps * per_step)
+        return Curriculum(difficulty, stats, config.curriculum_start, ramp, config.seed, by_pass_rate)
     if config.train_weights is None:
         return by_pass_rate
     entries = torch.tensor(dataset.row_entries())

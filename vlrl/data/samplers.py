@@ -21,6 +21,7 @@ state the loader saves (and the statistics the checkpoint saves).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -172,3 +173,53 @@ class SourceMix:
             list(state["cycle"]),
             list(state["position"]),
         )
+
+
+class Curriculum:
+    """Easy to hard (`data.curriculum`): rows ranked by `difficulty` (low: easy; [N] float, or None
+    to rank by pass rate, high first, from `stats`); batch number `draw` draws from the easiest
+    `pool_share(draw)` of them: `start` of the data at the first batch, growing linearly to all of
+    it at batch `ramp_batches`. Within the pool, by `within` (pass rate) or uniformly."""
+
+    def __init__(
+        self,
+        difficulty: torch.Tensor | None,
+        stats: PromptStats,
+        start: float,
+        ramp_batches: int,
+        seed: int,
+        within: PassRateSampler | None,
+    ) -> None:
+        self.difficulty, self.stats, self.start, self.ramp_batches = difficulty, stats, start, ramp_batches
+        self.seed, self.within = seed, within
+
+    def pool_share(self, draw: int) -> float:
+        progress = min(1.0, draw / max(self.ramp_batches, 1))
+        return self.start + (1.0 - self.start) * progress
+
+    def rank(self, size: int, draw: int) -> list[int]:
+        """The easiest rows for batch `draw` (ties broken at random), drawn, then spares (the rest
+        of the pool, then the rows beyond it, easiest first)."""
+        generator = _generator(self.seed, 13, draw)
+        hardness = self._hardness()
+        n = len(hardness)
+        tie_break = torch.rand(n, generator=generator, dtype=torch.float64)
+        shuffled = torch.argsort(tie_break)
+        easiest = shuffled[torch.argsort(hardness[shuffled], stable=True)]  # [N] by hardness, ties at random
+        pool = easiest[: max(size, math.ceil(self.pool_share(draw) * n))]
+        if self.within is not None:
+            ranked = self.within.rank(pool, size, draw)
+        else:
+            ranked = pool[torch.randperm(len(pool), generator=generator)].tolist()
+        return ranked + easiest[len(pool) :].tolist()
+
+    def _hardness(self) -> torch.Tensor:
+        """[N] low: easy. By pass rate: 1 - (passes + prior) / (attempts + prior weight), where
+        unseen prompts sit at the prior, the mean pass rate of the prompts seen."""
+        if self.difficulty is not None:
+            return self.difficulty
+        stats = self.stats
+        seen = stats.attempts > 0
+        prior = float(stats.pass_sum[seen].sum() / stats.attempts[seen].sum()) if bool(seen.any()) else 0.5
+        estimate = (stats.pass_sum + prior * PRIOR_WEIGHT) / (stats.attempts.double() + PRIOR_WEIGHT)
+        return 1.0 - estimate

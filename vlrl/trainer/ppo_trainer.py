@@ -62,6 +62,7 @@ from vlrl.trainer.metrics import (
 )
 from vlrl.trainer.ranks import Pending, RankRoles
 from vlrl.trainer.rounds import BatchFiller
+from vlrl.trainer.visual_reliance import BlindCheck, blanked, image_slice, mean_part, score_part, swapped
 from vlrl.utils.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
 from vlrl.workers.rank_worker import RankWorker, check_same_banned_tokens
 from vlrl.workers.scoring import BatchScorer
@@ -106,6 +107,7 @@ class PPOTrainer:
         self.global_step = 0
         self.total_steps = planned_steps(config, data.train_loader)
         self.checkpoints.check_no_collisions(self._save_steps())
+        self.blind_check = BlindCheck()
         self.history: list[dict[str, float]] = []  # per-step metrics, for the summary and the plot
         self.drift_steps = 0  # steps whose engine/actor log-prob gap exceeded log_prob_diff_warn
         self.signal = SignalWatch()  # steps in a row with all-zero advantages
@@ -437,15 +439,19 @@ class PPOTrainer:
             self.async_rollout.sync_engines(self.global_step)
         overrides = dict(self.config.worker.rollout.val_override_config)
         parts: list[dict[str, float]] = []
+        uids: list[int] = []
         samples: list[dict[str, Any]] = []
         lengths: list[int] = []
         trajectories: list[dict[str, Any]] = []
+        first: PromptBatch | None = None
         start = time.perf_counter()
         assert self.data.val_loader is not None  # the loop validates only when there is val data
         for prompts in self.data.val_loader:
+            first = first or prompts
             logging = len(samples) < self.config.trainer.val_generations_to_log
             batch, _ = self._generate_and_score(prompts, overrides, keep=False, responses_back=logging)
             parts.extend(batch.scored_parts())
+            uids.extend(batch.group_ids.tolist())
             lengths.extend(batch.response_mask.sum(-1).tolist())
             trajectories.extend(batch.trajectories or [])
             if len(samples) < self.config.trainer.val_generations_to_log:
@@ -453,6 +459,8 @@ class PPOTrainer:
         metrics = mean_reward_parts(parts, "val")
         metrics["val/response_length"] = sum(lengths) / max(len(lengths), 1)
         metrics.update(multi_turn_metrics(trajectories, "val_multi_turn"))
+        if first is not None and self.config.trainer.val_blind_rows > 0:
+            metrics.update(self._visual_reliance(first, overrides, uids, parts))
         if self.image_refs is not None:
             self.image_refs.clear()
             self.engines.call_all(RankWorker.release_images)
@@ -461,6 +469,31 @@ class PPOTrainer:
             self.tracker.log_generations(
                 samples[: self.config.trainer.val_generations_to_log], self.global_step
             )
+        return metrics
+
+    def _visual_reliance(
+        self,
+        prompts: PromptBatch,
+        overrides: dict[str, Any],
+        uids: list[int],
+        all_parts: list[dict[str, float]],
+    ) -> dict[str, float]:
+        """The first validation batch's prompts with images, generated again with blank and with
+        swapped images (vlrl/trainer/visual_reliance.py); `all_parts`: the validation's samples'
+        scores, `uids` their prompts."""
+        image_rows = image_slice(prompts, self.config.trainer.val_blind_rows)
+        if image_rows is None:
+            return {}
+        scored = [
+            self._generate_and_score(changed, overrides, keep=False)[0].scored_parts()
+            for changed in (blanked(image_rows), swapped(image_rows))
+        ]
+        in_slice = set(image_rows.uids)
+        real = [p for uid, p in zip(uids, all_parts) if uid in in_slice]
+        val_score = mean_part(all_parts, score_part(real))
+        metrics, warning = self.blind_check.metrics(real, scored[0], scored[1], val_score)
+        if warning is not None:
+            logger.warning("step %d: %s", self.global_step, warning)
         return metrics
 
     def _generation_samples(self, batch: StepSamples) -> list[dict[str, Any]]:
