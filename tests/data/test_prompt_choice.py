@@ -166,3 +166,7 @@ def test_start_up_checks_name_the_keys() -> None:
     assert "needs data.curriculum_steps >= 1" in problems(curriculum="pass_rate")[0]
     assert "not combined" in problems(curriculum="column:level", curriculum_steps=5, train_weights=[1, 1])[0]
     assert problems(curriculum="column:level", curriculum_steps=5) == []
+    assert (
+        "data.shuffle=false asks for file order, but data.sampler=pass_rate"
+        in problems(sampler="pass_rate", shuffle=False)[0]
+    )

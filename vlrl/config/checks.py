@@ -530,6 +530,18 @@ def _check_prompt_choice(data: DataConfig) -> list[str]:
         errors.append(f"data.sampler={data.sampler!r} must be one of {', '.join(SAMPLERS)}")
     if not 0.0 <= data.revisit_share <= 1.0:
         errors.append(f"data.revisit_share={data.revisit_share} must be in [0, 1]")
+    chooser = (
+        "data.sampler=pass_rate"
+        if data.sampler == "pass_rate"
+        else "data.curriculum"
+        if data.curriculum
+        else None
+    )
+    if not data.shuffle and (chooser or data.train_weights is not None):
+        errors.append(
+            f"data.shuffle=false asks for file order, but {chooser or 'data.train_weights'} decides the order: "
+            "leave data.shuffle at true"
+        )
     if data.curriculum is not None:
         if data.curriculum != "pass_rate" and not (
             data.curriculum.startswith("column:") and data.curriculum[7:]
