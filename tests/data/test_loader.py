@@ -120,7 +120,12 @@ def test_create_dataloaders_builds_the_curriculum_and_the_mix(tokenizer_processo
     with pytest.raises(DataError, match="must hold numbers"):
         create_dataloaders(make_config(train_files=words, curriculum="column:level", curriculum_steps=2),
                            tokenizer, processor)  # fmt: skip
-    mixed = make_config(train_files=[train_path, no_level], train_weights=[1, 1], rollout_batch_size=4)
+    folder = tmp_path / "more"
+    folder.mkdir()
+    (folder / "train.csv").write_text("problem,answer\n" + "".join(f"csv {i},{i}\n" for i in range(3)))
+    mixed = make_config(train_files=[train_path, f"{folder}@train"], train_weights=[3, 1], rollout_batch_size=4)
     train, _ = create_dataloaders(mixed, tokenizer, processor)
-    batch = next(iter(train))
-    assert sum(uid >= 8 for uid in batch.uids) == 2  # two from each file's rows (uids 8-11 are the second's)
+    batches = list(itertools.islice(itertools.chain.from_iterable(itertools.repeat(train)), 5))
+    # 3 of each 4 from the JSON lines (uids 0-7), 1 from the folder's CSV (uids 8-10), cycled through
+    assert [sum(uid >= 8 for uid in b.uids) for b in batches] == [1] * 5
+    assert sorted(uid for b in batches[:3] for uid in b.uids if uid >= 8) == [8, 9, 10]
