@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence, Sized
 from dataclasses import replace
 from typing import Any
@@ -56,13 +55,11 @@ from vlrl.trainer.metrics import (
     batch_metrics,
     drift_warning,
     has_signal,
-    mean_reward_parts,
-    multi_turn_metrics,
     throughput_metrics,
 )
 from vlrl.trainer.ranks import Pending, RankRoles
 from vlrl.trainer.rounds import BatchFiller
-from vlrl.trainer.visual_reliance import BlindCheck, blanked, image_slice, mean_part, score_part, swapped
+from vlrl.trainer.validation import Validation
 from vlrl.utils.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
 from vlrl.workers.rank_worker import RankWorker, check_same_banned_tokens
 from vlrl.workers.scoring import BatchScorer
@@ -107,7 +104,16 @@ class PPOTrainer:
         self.global_step = 0
         self.total_steps = planned_steps(config, data.train_loader)
         self.checkpoints.check_no_collisions(self._save_steps())
-        self.blind_check = BlindCheck()
+        trainer_config = config.trainer
+        self.validation = (
+            Validation(
+                data.val_loader, config.worker.rollout.val_override_config, trainer_config.val_blind_rows,
+                trainer_config.val_generations_to_log,
+                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            )
+            if data.val_loader is not None
+            else None
+        )  # fmt: skip
         self.history: list[dict[str, float]] = []  # per-step metrics, for the summary and the plot
         self.drift_steps = 0  # steps whose engine/actor log-prob gap exceeded log_prob_diff_warn
         self.signal = SignalWatch()  # steps in a row with all-zero advantages
@@ -437,74 +443,18 @@ class PPOTrainer:
     def validate(self) -> dict[str, float]:
         if self.async_rollout is not None:  # validate the policy trained so far, not the engines' lag
             self.async_rollout.sync_engines(self.global_step)
-        overrides = dict(self.config.worker.rollout.val_override_config)
-        parts: list[dict[str, float]] = []
-        uids: list[int] = []
-        samples: list[dict[str, Any]] = []
-        lengths: list[int] = []
-        trajectories: list[dict[str, Any]] = []
-        first: PromptBatch | None = None
-        start = time.perf_counter()
-        assert self.data.val_loader is not None  # the loop validates only when there is val data
-        for prompts in self.data.val_loader:
-            first = first or prompts
-            logging = len(samples) < self.config.trainer.val_generations_to_log
-            batch, _ = self._generate_and_score(prompts, overrides, keep=False, responses_back=logging)
-            parts.extend(batch.scored_parts())
-            uids.extend(batch.group_ids.tolist())
-            lengths.extend(batch.response_mask.sum(-1).tolist())
-            trajectories.extend(batch.trajectories or [])
-            if len(samples) < self.config.trainer.val_generations_to_log:
-                samples.extend(self._generation_samples(batch))
-        metrics = mean_reward_parts(parts, "val")
-        metrics["val/response_length"] = sum(lengths) / max(len(lengths), 1)
-        metrics.update(multi_turn_metrics(trajectories, "val_multi_turn"))
-        if first is not None and self.config.trainer.val_blind_rows > 0:
-            metrics.update(self._visual_reliance(first, overrides, uids, parts))
+
+        def generate(prompts: PromptBatch, overrides: dict[str, Any], with_ids: bool) -> StepSamples:
+            return self._generate_and_score(prompts, overrides, keep=False, responses_back=with_ids)[0]
+
+        assert self.validation is not None  # the loop validates only when there is val data
+        metrics, samples = self.validation.run(generate, self.global_step)
         if self.image_refs is not None:
             self.image_refs.clear()
             self.engines.call_all(RankWorker.release_images)
-        metrics["timing/validation"] = time.perf_counter() - start
         if samples:
-            self.tracker.log_generations(
-                samples[: self.config.trainer.val_generations_to_log], self.global_step
-            )
+            self.tracker.log_generations(samples, self.global_step)
         return metrics
-
-    def _visual_reliance(
-        self,
-        prompts: PromptBatch,
-        overrides: dict[str, Any],
-        uids: list[int],
-        all_parts: list[dict[str, float]],
-    ) -> dict[str, float]:
-        """The first validation batch's prompts with images, generated again with blank and with
-        swapped images (vlrl/trainer/visual_reliance.py); `all_parts`: the validation's samples'
-        scores, `uids` their prompts."""
-        image_rows = image_slice(prompts, self.config.trainer.val_blind_rows)
-        if image_rows is None:
-            return {}
-        scored = [
-            self._generate_and_score(changed, overrides, keep=False)[0].scored_parts()
-            for changed in (blanked(image_rows), swapped(image_rows))
-        ]
-        in_slice = set(image_rows.uids)
-        real = [p for uid, p in zip(uids, all_parts) if uid in in_slice]
-        val_score = mean_part(all_parts, score_part(real))
-        metrics, warning = self.blind_check.metrics(real, scored[0], scored[1], val_score)
-        if warning is not None:
-            logger.warning("step %d: %s", self.global_step, warning)
-        return metrics
-
-    def _generation_samples(self, batch: StepSamples) -> list[dict[str, Any]]:
-        lengths = batch.turn_lengths.tolist()  # multi-turn: all turns
-        assert batch.responses is not None  # validation asks for them while it logs generations
-        return [
-            {"prompt": prompt, "response": self.tokenizer.decode(row[:n], skip_special_tokens=True),
-             "ground_truth": truth, "score": parts.get("overall")}
-            for prompt, row, n, truth, parts in zip(batch.prompts, batch.responses.tolist(), lengths,
-                                                     batch.ground_truths, batch.scored_parts())
-        ]  # fmt: skip
 
     # ------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, val_score: float | None) -> str:
