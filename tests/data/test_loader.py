@@ -123,7 +123,9 @@ def test_create_dataloaders_builds_the_curriculum_and_the_mix(tokenizer_processo
     folder = tmp_path / "more"
     folder.mkdir()
     (folder / "train.csv").write_text("problem,answer\n" + "".join(f"csv {i},{i}\n" for i in range(3)))
-    mixed = make_config(train_files=[train_path, f"{folder}@train"], train_weights=[3, 1], rollout_batch_size=4)
+    mixed = make_config(
+        train_files=[train_path, f"{folder}@train"], train_weights=[3, 1], rollout_batch_size=4
+    )
     train, _ = create_dataloaders(mixed, tokenizer, processor)
     batches = list(itertools.islice(itertools.chain.from_iterable(itertools.repeat(train)), 5))
     # 3 of each 4 from the JSON lines (uids 0-7), 1 from the folder's CSV (uids 8-10), cycled through

@@ -105,7 +105,8 @@ def test_async_mode_trains_off_policy_and_resumes_exactly(
 ) -> None:
     """One step off (the default: the PPO ratio from the policy that sampled; with truncated
     importance sampling, from the actor), and two steps off (the weights broadcast in the
-    background while a generation runs); the ratio from the sampler also resumes exactly."""
+    background while a generation runs; prompts drawn by pass rate while two batches are in
+    flight); the ratio from the sampler also resumes exactly, prompt statistics included."""
     # one training rank, one rollout rank; the checkpoint at step 2 holds the generations of the
     # steps after it that were submitted (step 3; with staleness 2, steps 3 and 4)
     steps = 2 + staleness
@@ -114,6 +115,8 @@ def test_async_mode_trains_off_policy_and_resumes_exactly(
               f"trainer.max_steps={steps}", f"worker.rollout.max_staleness={staleness}"]  # fmt: skip
     if ratio_from == "actor":
         common.append("algorithm.tis_cap=2.0")  # then algorithm.old_policy=auto is actor
+    if staleness == 2:
+        common.append("data.sampler=pass_rate")
     full = tmp_path / "full"
     proc = run_cli(cli_args(assets, full, *common, "print_config=true"))
     assert f"algorithm.old_policy = {ratio_from!r}" in proc.stdout
@@ -139,5 +142,6 @@ def test_async_mode_trains_off_policy_and_resumes_exactly(
     assert sorted(again) == list(range(3, steps + 1))
     for step in again:
         for key in ("reward/overall", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
-                    "rollout/log_prob_diff_mean", "async/staleness"):  # fmt: skip
+                    "rollout/log_prob_diff_mean", "async/staleness", "prompts/seen_share",
+                    "prompts/pass_rate_mean"):  # fmt: skip
             assert again[step][key] == pytest.approx(expected[step][key], rel=1e-6, abs=1e-9), (step, key)
