@@ -35,7 +35,9 @@ def named_variant(out: Path) -> Path:
     if not (data / "images").exists():
         (data / "images").symlink_to(QUICKSTART / "data" / "images", target_is_directory=True)
     for split in ("train", "val"):
-        rows = [json.loads(line) for line in (QUICKSTART / "data" / f"{split}.jsonl").read_text().splitlines()]
+        rows = [
+            json.loads(line) for line in (QUICKSTART / "data" / f"{split}.jsonl").read_text().splitlines()
+        ]
         for row in rows:
             row["problem"] = f"{row['problem']} It is {row['answer']}."
         (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -54,7 +56,9 @@ def run(name: str, data: Path, out: Path, steps: int, val_freq: int) -> tuple[li
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir.parent / f"{name}.log"
     with log.open("w") as f:
-        done = subprocess.run([sys.executable, "-m", "vlrl.trainer.main", *args], cwd=ROOT, stdout=f, stderr=f)
+        done = subprocess.run(
+            [sys.executable, "-m", "vlrl.trainer.main", *args], cwd=ROOT, stdout=f, stderr=f
+        )
     if done.returncode != 0:
         raise SystemExit(f"{name} failed: see {log}")
     rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -62,7 +66,9 @@ def run(name: str, data: Path, out: Path, steps: int, val_freq: int) -> tuple[li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--val-freq", type=int, default=10)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_visual_reliance")
