@@ -82,7 +82,7 @@ def test_without_mini_one_round_of_the_whole_batch() -> None:
     assert metrics.pop("reward/overall") == 0.0  # the first round's metrics
     # every group has a 0 and a 1: all mixed, 2 samples generated per mixed group
     assert metrics == {"groups/generated_samples": 16.0, "groups/mixed_share": 1.0, "groups/all_correct_share": 0.0, "groups/all_wrong_share": 0.0,
-                       "groups/samples_per_mixed_group": 2.0}  # fmt: skip
+                       "groups/samples_per_mixed_group": 2.0, "groups/samples_per_kept_group": 2.0}  # fmt: skip
 
 
 def test_mini_batches_fill_the_step_without_filtering() -> None:
@@ -104,6 +104,7 @@ def test_online_filtering_draws_mini_batches_until_full_and_cuts_the_excess() ->
     assert metrics["groups/mixed_share"] == 0.5 and metrics["groups/all_correct_share"] == 0.5
     assert metrics["groups/all_wrong_share"] == 0.0 and metrics["groups/samples_per_mixed_group"] == 4.0
     assert metrics["groups/generated_samples"] == 24.0
+    assert metrics["groups/samples_per_kept_group"] == 6.0  # 24 samples for the 4 groups kept
 
 
 def test_a_filter_key_the_reward_does_not_return_fails_at_once() -> None:

@@ -122,6 +122,8 @@ class BatchFiller:
         if algo.online_filtering:
             metrics["filter/tries"] = float(tries)
         metrics.update(outcomes.metrics())
+        # what each group the update trains on cost (with online filtering, more than n)
+        metrics["groups/samples_per_kept_group"] = outcomes.samples / self.target_groups
         size = self.target_groups * self.n
         merged = kept[0] if len(kept) == 1 else StepSamples.join(kept, self.pad_token_id)
         if len(merged) > size:
