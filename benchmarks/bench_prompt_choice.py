@@ -1,11 +1,13 @@
 """Choosing prompts on the reasoning quickstart: today's shuffle, online filtering, the pass-rate sampler.
 
     .venv/bin/python benchmarks/bench_prompt_choice.py [--seeds 0 1 2] [--steps 150] [--n-train 2048]
-        [--modes shuffle filter pass_rate] [--out outputs/bench_prompt_choice]
+        [--train-rows N] [--modes shuffle filter pass_rate] [--out outputs/bench_prompt_choice]
 
 For each data seed, `examples/prepare_reasoning.py --seed S` builds the data and the warmed-up model
 (once, kept in OUT/seedS), then each mode runs the real CLI on `examples/reasoning_quickstart.yaml`
-for `--steps` steps, one run after the other (no validation, no checkpoint but the last):
+for `--steps` steps, one run after the other (no validation, no checkpoint but the last), on the
+whole training file or, with `--train-rows N`, on its first N rows (the same model: a small dataset
+goes round many times in a run, where a prompt's pass rate is known when it comes back):
     shuffle     the config as it is (data.sampler=shuffle)
     filter      algorithm.online_filtering=true (DAPO's: groups whose `overall` rewards are all equal
                 are dropped and more rounds are generated until 16 groups are kept)
@@ -39,13 +41,23 @@ def prepare(out: Path, seed: int, n_train: int) -> None:
     subprocess.run([*command, "--n-train", str(n_train)], cwd=ROOT, check=True)
 
 
-def run(data: Path, out: Path, mode: str, steps: int) -> list[dict[str, float]]:
+def train_file(data: Path, rows: int | None) -> Path:
+    """The training file: the whole one, or its first `rows` rows (written beside it)."""
+    whole = data / "data" / "train.jsonl"
+    if rows is None:
+        return whole
+    part = data / "data" / f"train_first{rows}.jsonl"
+    part.write_text("".join(whole.read_text().splitlines(keepends=True)[:rows]))
+    return part
+
+
+def run(data: Path, train: Path, out: Path, mode: str, steps: int) -> list[dict[str, float]]:
     """One CLI run; its metrics by step (rows of a step merged)."""
     metrics = out / "ckpt" / "logs" / "metrics.jsonl"
     if not metrics.exists():
         args = [
             "config=examples/reasoning_quickstart.yaml",
-            f"data.train_files={data / 'data' / 'train.jsonl'}",
+            f"data.train_files={train}",
             f"worker.actor.model.model_path={data / 'model'}", f"trainer.max_steps={steps}",
             "trainer.val_before_train=false", "trainer.val_freq=-1", "data.val_files=",
             f"trainer.save_checkpoint_path={out / 'ckpt'}", "trainer.logger=[file]", "trainer.plot_path=null",
@@ -114,14 +126,17 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--n-train", type=int, default=2048)
+    parser.add_argument("--train-rows", type=int, help="train on the first N rows of the training file")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_prompt_choice")
     args = parser.parse_args()
     results: dict[tuple[int, str], dict[str, float]] = {}
     for seed in args.seeds:
         data = args.out / f"n{args.n_train}_seed{seed}"
         prepare(data, seed, args.n_train)
+        train = train_file(data, args.train_rows)
         for mode in args.modes:
-            results[seed, mode] = summary(run(data, data / mode, mode, args.steps))
+            folder = data / (mode if args.train_rows is None else f"{mode}_first{args.train_rows}")
+            results[seed, mode] = summary(run(data, train, folder, mode, args.steps))
             print(f"seed {seed} {mode}: {results[seed, mode]}", flush=True)
     header = ["seed", "mode", *(title for title, _ in COLUMNS.values())]
     lines = [header]
@@ -132,7 +147,8 @@ def main() -> None:
         medians = {k: statistics.median(v[k] for v in per_seed) for k in COLUMNS}
         lines.append(["median", mode, *(fmt.format(medians[k]) for k, (_, fmt) in COLUMNS.items())])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    print(f"\nreasoning quickstart, {args.n_train} training prompts, {args.steps} steps")
+    rows = args.n_train if args.train_rows is None else args.train_rows
+    print(f"\nreasoning quickstart, {rows} training prompts, {args.steps} steps")
     for line in lines:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
 
