@@ -8,11 +8,15 @@ Runs the real CLI on examples/quickstart.yaml twice, one after the other, valida
 again with blank and with swapped images, vlrl/trainer/visual_reliance.py):
     image       the quickstart as it is: the colour is only in the image;
     text_named  the same data with "It is <colour>." added to every prompt (train and validation),
-                so the answer can be read from the text alone.
+                and every row showing the same picture (the first training image), so the answer
+                can be read from the text alone and not from the image. (With the images left as
+                they are, the warmed-up tiny model kept reading the image: blind accuracy stayed at
+                chance, 0.19-0.25, while accuracy reached 1.0.)
 Prints, per validation: val accuracy, blind accuracy (grey images), swapped accuracy (another
 row's image) and the blind gap; then whether the warning "may answer from the text alone" fired.
 Expected: `image` climbs to 1.0 with blind accuracy near chance (0.25: four colours) and a growing
-gap; `text_named` climbs with blind accuracy following it, a small gap and the warning.
+gap; `text_named` climbs with blind accuracy following it, a small gap and the warning. A run whose
+metrics are in OUT is read, not run again.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ WARNING = "may answer from the text alone"
 
 
 def named_variant(out: Path) -> Path:
-    """The quickstart's data with the colour named in each prompt (images shared by a link)."""
+    """The quickstart's data with the colour named in each prompt and one picture for every row
+    (the images folder shared by a link)."""
     data = out / "text_named_data"
     data.mkdir(parents=True, exist_ok=True)
     if not (data / "images").exists():
@@ -40,13 +45,24 @@ def named_variant(out: Path) -> Path:
         ]
         for row in rows:
             row["problem"] = f"{row['problem']} It is {row['answer']}."
+            row["images"] = ["images/train_00000.png"]
         (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return data
 
 
 def run(name: str, data: Path, out: Path, steps: int, val_freq: int) -> tuple[list[dict[str, float]], bool]:
-    """One CLI run: its validation rows, and whether the warning fired."""
+    """One CLI run (skipped when its metrics are there): its validation rows, and whether the
+    warning fired."""
     run_dir = out / name
+    log = run_dir.parent / f"{name}.log"
+    metrics = run_dir / "logs" / "metrics.jsonl"
+    if not metrics.exists():
+        train(data, run_dir, log, steps, val_freq)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in rows if "val/blind_accuracy" in r], WARNING in log.read_text()
+
+
+def train(data: Path, run_dir: Path, log: Path, steps: int, val_freq: int) -> None:
     args = [
         "config=examples/quickstart.yaml",
         f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}",
