@@ -594,7 +594,8 @@ class TrainerConfig(_Section):
     first validation batch (`val_batch_size`) are generated again with every image blanked (grey)
     and with another row's images; logs val/blind_accuracy, val/swapped_accuracy (or _overall
     without an accuracy reward) and their gaps to the same prompts' real score, and warns when
-    validation improved but the blank-image gap stayed    small (vlrl/trainer/visual_reliance.py). 0: off."""
+    validation improved but the blank-image gap stayed small (vlrl/trainer/visual_reliance.py).
+    0: off."""
     save_freq: int = -1
     """Checkpoint every N steps (-1: only at the end)."""
     save_limit: int = -1
