@@ -329,3 +329,26 @@ def test_old_policy_rollout_needs_the_engines_log_probs_and_no_tis(base: list[st
             load_config([*base, "algorithm.old_policy=rollout", extra])
     with pytest.raises(ConfigError, match="algorithm.old_policy='behaviour' is unknown"):
         load_config([*base, "algorithm.old_policy=behaviour"])
+
+
+def test_partial_rollouts_need_generations_in_flight_and_the_sampling_ratio(base: list[str]) -> None:
+    two_ranks = [
+        *base,
+        "trainer.n_gpus_per_node=2",
+        "worker.rollout.name=vllm",
+        "worker.rollout.partial_rollouts=true",
+    ]
+    for extra in (
+        [],
+        ["worker.rollout.async_ranks=1"],
+        ["worker.rollout.async_ranks=1", "worker.rollout.max_staleness=1"],
+    ):
+        with pytest.raises(
+            ConfigError, match="partial_rollouts needs asynchronous mode with generations in flight"
+        ):
+            load_config([*two_ranks, *extra])
+    in_flight = [*two_ranks, "worker.rollout.async_ranks=1", "worker.rollout.max_staleness=2"]
+    assert load_config(in_flight).worker.rollout.partial_rollouts
+    with pytest.raises(ConfigError, match="would measure the ratio from a policy that sampled none"):
+        load_config([*in_flight, "algorithm.old_policy=actor"])
+    load_config([*in_flight, "algorithm.old_policy=actor", "algorithm.off_policy_correction=seq_mask"])

@@ -1,10 +1,11 @@
 """What each spawned process of tests/rollout/test_weight_broadcast.py runs.
 
 Member 0 is a training rank (its own gloo world, the model FSDP2-sharded in it); member 1 is a
-rollout rank with a vLLM engine (its own world, as vLLM's external_launcher wants); member 2 is a
-rollout rank that only records what it receives. Two syncs: the second reuses the first's layout,
-and is the background form (a staleness bound above 1): packed into host buckets, the weights then
-changed, the packed copy broadcast from a thread.
+rollout rank with a vLLM engine (its own world, as vLLM's external_launcher wants) that takes the
+syncs through `WeightIntake`; member 2 is a rollout rank that only records what it receives and
+the versions announced. Two syncs, announced as versions 3 and 4: the second reuses the first's
+layout, and is the background form (a staleness bound above 1): packed into host buckets, the
+weights then changed, the packed copy broadcast from a thread.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rollout_helpers import (
 
 from vlrl.rollout.weight_broadcast import WeightBroadcast
 from vlrl.utils.background import in_background
+from vlrl.workers.weight_exchange import WeightIntake
 
 
 def run(member: int, world_ports: list[int], group_port: int, model_dir: str, out_dir: str) -> None:
@@ -37,7 +39,11 @@ def run(member: int, world_ports: list[int], group_port: int, model_dir: str, ou
     elif member == 1:
         _engine_side(group, model_dir, result)
     else:
-        result["received"] = [{n: t.clone() for n, t in group.receive()} for _ in range(2)]
+        versions, received = [], []
+        for _ in range(2):
+            versions.append(group.next_version())
+            received.append({n: t.clone() for n, t in group.receive()})
+        result.update(versions=versions, received=received, announced_after=group.announced())
     torch.save(result, Path(out_dir) / f"member{member}.pt")
     close_world()
 
@@ -53,6 +59,7 @@ def _train_side(group: WeightBroadcast, model_dir: str, result: dict[str, object
         perturb(model, seed=seed)  # "trained" further before each sync
         sharded = copy.deepcopy(model)
         fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))  # DTensor parameters, as the actor has
+        group.announce(seed - 1)
         if seed == 4:
             metrics = group.send(full_named_tensors(sharded), bucket_mb=0.25, dtype=torch.float32)
         else:
@@ -75,7 +82,10 @@ def _engine_side(group: WeightBroadcast, model_dir: str, result: dict[str, objec
         rollout_config(max_num_seqs=16), data_config(), model_dir, tokenizer, processor
     )
     prompts = prompt_batch(model_dir)
+    intake = WeightIntake(group, engine, partial=False)
     for sync in (1, 2):
-        engine.load_weights(group.receive())
-        result[f"greedy{sync}"] = engine.generate(prompts, {"temperature": 0.0, "n": 1}).responses
+        intake.receive(sync + 2)
+        intake.receive(sync + 2)  # taken already: nothing to wait for
+        out = engine.generate(prompts, {"temperature": 0.0, "n": 1})
+        result[f"greedy{sync}"], result[f"versions{sync}"] = out.responses, out.rollout_versions
     engine.close()

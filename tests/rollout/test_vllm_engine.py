@@ -334,3 +334,45 @@ def test_log_probs_are_those_of_the_truncated_distribution(vl):
         assert out.rollout_log_probs[mask].abs().max().item() == 0.0
     full = vl.engine.generate(vl.prompts, {"seed": 3})
     assert full.rollout_log_probs[full.response_mask.bool()].lt(-1e-3).any()
+
+
+def test_weights_taken_between_engine_steps_sample_the_rest_of_each_response(vl, tmp_path):
+    """Partial rollouts: new weights loaded after the 4th engine step of a generation. Every token
+    is labelled with the version that sampled it, and its log-prob is the one of that policy on the
+    whole prefix: the old policy's before the switch, the new one's after it (the requests in flight
+    recompute their KV cache under the new weights; with the old cache kept, the new policy's
+    teacher-forced log-probs would not match)."""
+    synced(vl)
+    engine, temperature = vl.engine, 0.7
+    new = copy.deepcopy(vl.base)
+    perturb(new, seed=5, scale=0.3)
+    new_folder = save_model(new, vl.path, str(tmp_path / "new"))
+    calls = []
+
+    def switch_after_four_steps() -> None:
+        calls.append(None)
+        if len(calls) == 5:
+            engine.load_weights_in_flight(new.state_dict().items())
+            engine.set_policy_version(8)
+
+    engine.set_policy_version(7)
+    engine.between_steps = switch_after_four_steps
+    try:
+        batch = engine.generate(vl.prompts, {"seed": 2, "temperature": temperature, "ignore_eos": True})
+    finally:
+        engine.between_steps, engine.policy_version = None, None
+        sync_weights(vl.base, engine, bucket_mb=64)
+    mask = batch.response_mask.bool()
+    assert mask.all()  # ignore_eos: every response runs to the limit, past the switch
+    versions = batch.rollout_versions
+    assert set(versions.unique().tolist()) == {7, 8}
+    for row in versions.tolist():
+        switch = row.index(8)
+        assert 0 < switch < len(row) and row == [7] * switch + [8] * (len(row) - switch)
+    before, after = versions == 7, versions == 8
+    old_lp = one_rank_actor(vl.path, temperature).compute_log_probs(batch)
+    new_lp = one_rank_actor(new_folder, temperature).compute_log_probs(batch)
+    engine_lp = batch.rollout_log_probs
+    torch.testing.assert_close(engine_lp[before], old_lp[before], atol=2e-4, rtol=0)
+    torch.testing.assert_close(engine_lp[after], new_lp[after], atol=2e-4, rtol=0)
+    assert (old_lp - new_lp)[after].abs().max() > 0.05  # the two policies are told apart

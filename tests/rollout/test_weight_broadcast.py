@@ -28,3 +28,6 @@ def test_rollout_ranks_generate_with_the_broadcast_weights(tiny_model, tmp_path)
         assert all(torch.equal(received[name], state[name]) for name in state)  # bit for bit
         # the engine's greedy output equals transformers' on the trainer's weights
         assert engine[f"greedy{sync}"].equal(greedy_hf(path, model, prompts, 12))
+        # ...and every token it sampled carries the announced version of those weights
+        assert engine[f"versions{sync}"].eq(sync + 2).all()
+    assert recorder["versions"] == [3, 4] and recorder["announced_after"] is False

@@ -133,3 +133,33 @@ def _rollout() -> RolloutBatch:
         response_mask=torch.ones(2, 1, dtype=torch.long), group_ids=torch.tensor([0, 0]), prompt_length=2,
         images=[["ref"], ["ref"]], prompts=["p", "p"], ground_truths=["a", "a"], extras=[{}, {}],
     )  # fmt: skip
+
+
+def test_syncs_carry_the_weights_version_to_every_rank() -> None:
+    flow, log = _flow()
+    flow.sync_engines(6)
+    (_, _, sent), (_, _, received) = log
+    assert sent == ([6, 6],) and received == ([6, 6, 6],)
+
+
+def test_token_staleness_weighs_each_response_by_its_tokens() -> None:
+    """Two responses: 3 tokens all of version 4, and 1 token of version 5 after 1 of version 4
+    (a switch inside its generation); the trainer is at version 6."""
+    from vlrl.batch.samples import version_stats
+    from vlrl.trainer.async_rollout import token_staleness
+
+    batch = RolloutBatch(
+        input_ids=torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 4, dtype=torch.long),
+        position_ids=torch.zeros(2, 4, dtype=torch.long), responses=torch.zeros(2, 3, dtype=torch.long),
+        response_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]), group_ids=torch.tensor([0, 0]), prompt_length=1,
+        images=[[], []], prompts=["", ""], ground_truths=["", ""], extras=[{}, {}],
+        rollout_versions=torch.tensor([[4, 4, 4], [4, 5, 0]]),
+    )  # fmt: skip
+    assert version_stats(batch).tolist() == [[4, 4, 0], [4, 4.5, 1]]
+    metrics = token_staleness(StepSamples.of(batch, None), 6)
+    assert metrics == {
+        "async/token_staleness_mean": pytest.approx(6 - (4 * 3 + 4 + 5) / 5),
+        "async/token_staleness_max": 2.0,
+        "async/tokens_newer_frac": pytest.approx(1 / 5),
+        "async/rows_updated_frac": 0.5,
+    }

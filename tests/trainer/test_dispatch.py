@@ -202,8 +202,8 @@ def test_every_tensor_field_has_a_padding_kind() -> None:
     tensors = [f.name for f in fields(RolloutBatch) if "Tensor" in str(f.type)]
     kinds = [*SEQUENCE_FIELDS, *RESPONSE_FIELDS, *PER_ROW_FIELDS]
     assert sorted(tensors) == sorted(kinds) and len(set(kinds)) == len(kinds)
-    # the driver's samples: every [N, R] field is padded when rounds are joined, the rest are [N]
-    per_sample = ["group_ids", "prompt_lengths", "turn_lengths", "sequence_rewards"]
+    # the driver's samples: every [N, R] field is padded when rounds are joined, the rest are [N, ...]
+    per_sample = ["group_ids", "prompt_lengths", "turn_lengths", "sequence_rewards", "version_stats"]
     tensors = [f.name for f in fields(StepSamples) if "Tensor" in str(f.type)]
     assert sorted(tensors) == sorted([*SAMPLE_RESPONSE_FIELDS, *per_sample])
 

@@ -99,6 +99,42 @@ def _check_merged_weights_changed(actor_dir: Path, initial: Path) -> None:
     assert model.config.architectures == ["Qwen2_5_VLForConditionalGeneration"]
 
 
+def test_partial_rollouts_take_the_weights_inside_a_generation(
+    assets: dict[str, Path], tmp_path: Path
+) -> None:
+    """Staleness 2 with partial rollouts, the engine serving one request at a time (64 tokens each,
+    EOS ignored), so that generating is far slower than training and a generation is running when
+    a sync comes. Steps 1 and 2 submit the generations of steps 2-3 and 4, each queued behind the
+    one running; the sync of step 2 (update 1) is queued behind the generation of step 3, and so
+    without partial rollouts step 3 would train on tokens of update 0 only (staleness 2, as in
+    `test_async_mode_trains_off_policy_and_resumes_exactly`). With them, that generation takes
+    update 1 between two of its engine steps, so its tokens are fresher; likewise step 4's with
+    update 2. Step 5's generation was submitted after the last sync (no step after it to submit),
+    so it is two updates old. Where the switch lands inside a generation (before its first token,
+    or a few rows in) depends on timing; a fixed switch is checked token by token in
+    tests/rollout/test_vllm_engine.py."""
+    steps = 5
+    run_cli(cli_args(
+        assets, tmp_path, "trainer.n_gpus_per_node=2", "worker.rollout.async_ranks=1",
+        "worker.rollout.max_staleness=2", "worker.rollout.partial_rollouts=true", f"trainer.max_steps={steps}",
+        "trainer.val_before_train=false", "trainer.val_freq=-1", "data.val_files=''", "trainer.save_freq=-1",
+        "data.max_response_length=64", "worker.rollout.ignore_eos=true", "worker.rollout.max_num_seqs=1",
+    ))  # fmt: skip
+    metrics = read_metrics(tmp_path)
+    assert sorted(metrics) == list(range(1, steps + 1))
+    assert [metrics[s]["async/staleness"] for s in metrics] == [0, 1, 2, 2, 2]
+    for s, m in metrics.items():
+        fresh = m["async/token_staleness_mean"]
+        assert 0 <= fresh <= m["async/token_staleness_max"] <= m["async/staleness"], (s, m)
+        if s in (3, 4):
+            assert 1 <= fresh < 2 and m["async/token_staleness_max"] >= 1, (s, m)
+            if m["async/tokens_newer_frac"] > 0:  # the switch came after the first rows started
+                assert 0 < m["async/rows_updated_frac"] < 1 and m["async/token_staleness_max"] == 2
+        if s > 1:
+            assert 0 <= m["ranks/train_idle_share"] <= 1 and 0 <= m["ranks/rollout_idle_share"] <= 1
+    assert metrics[5]["async/token_staleness_mean"] == 2
+
+
 @pytest.mark.parametrize("ratio_from, staleness", [("rollout", 1), ("actor", 1), ("rollout", 2)])
 def test_async_mode_trains_off_policy_and_resumes_exactly(
     assets: dict[str, Path], tmp_path: Path, ratio_from: str, staleness: int
@@ -126,6 +162,10 @@ def test_async_mode_trains_off_policy_and_resumes_exactly(
     # (step 2 at step 1, with the weights of update 0)
     lag = {1: [0.0, 1.0, 1.0], 2: [0.0, 1.0, 2.0, 2.0]}[staleness]
     assert [expected[s]["async/staleness"] for s in range(1, steps + 1)] == lag
+    # every token is labelled with the version that sampled it: whole generations, one version each
+    for s in range(1, steps + 1):
+        assert expected[s]["async/token_staleness_mean"] == expected[s]["async/staleness"], s
+        assert expected[s]["async/tokens_newer_frac"] == 0.0, s
     # step 1 samples with the broadcast initial weights: engine and actor agree
     assert expected[1]["rollout/log_prob_diff_mean"] < 0.05
     assert (full / "global_step_2" / "prefetched.pt").is_file()

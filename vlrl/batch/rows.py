@@ -152,6 +152,9 @@ class RolloutBatch(SampleBatch):
     ground_truths: list[Any]
     extras: list[dict[str, Any]]
     rollout_log_probs: torch.Tensor | None = None  # [N, R] engine's log-probs of the sampled tokens
+    # [N, R] long: the policy version (trainer updates done) that sampled each token; asynchronous
+    # mode's rollout ranks only (with partial rollouts one response can span several versions)
+    rollout_versions: torch.Tensor | None = None
     # Multi-turn rollouts: per sample, the turns, tool calls and counters (vlrl.rollout.multi_turn);
     # response_mask is then 1 on sampled tokens only, attention_mask on every trajectory token.
     trajectories: list[dict[str, Any]] | None = None
@@ -167,7 +170,8 @@ class RolloutBatch(SampleBatch):
 # tensor field is in exactly one of these; a new [N, R] field must be added here).
 SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")  # [..., P + R]
 RESPONSE_FIELDS = (  # [N, R]
-    "responses", "response_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "advantages",
+    "responses", "response_mask", "rollout_log_probs", "rollout_versions", "old_log_probs", "ref_log_probs",
+    "advantages",
 )  # fmt: skip
 PER_ROW_FIELDS = ("group_ids",)  # [N]
 TOKEN_ID_FIELDS = ("input_ids", "responses")  # padded with the pad token id; the rest with 0

@@ -54,6 +54,10 @@ class StepSamples(SampleBatch):
     held: list[tuple[Held, int] | None]  # per row: its published batch and index there; None: not kept
     trajectories: list[dict[str, Any]] | None = None  # multi-turn: turns, tool calls, the final answer
     prompt_width: int = 0  # P of the batches the rows are held in (joined: the widest)
+    # [N, 3] float, asynchronous mode: each response's first token's policy version, its tokens'
+    # mean version, and how many of its tokens a newer policy than the first sampled (partial rollouts)
+    version_stats: torch.Tensor | None = None
+    busy_clock: tuple[float, float] | None = None  # the generating rank's (busy, wall) seconds (BusyClock)
     # Filled on the driver:
     token_level_scores: torch.Tensor | None = None  # [N, R] reward on the last response token
     sequence_rewards: torch.Tensor | None = None  # [N] each response's rewards summed (KL penalty included)
@@ -73,6 +77,7 @@ class StepSamples(SampleBatch):
             prompts=batch.prompts, ground_truths=batch.ground_truths, extras=batch.extras,
             held=[None if held is None else (held, i) for i in range(len(batch))],
             trajectories=batch.trajectories, prompt_width=batch.prompt_length,
+            version_stats=None if batch.rollout_versions is None else version_stats(batch),
         )  # fmt: skip
 
     def scored_parts(self) -> list[dict[str, float]]:
@@ -97,6 +102,17 @@ class StepSamples(SampleBatch):
     def plan(self, rows: list[int]) -> TakePlan:
         """How a rank takes `rows` of these samples from where they are held, at the step's widths."""
         return TakePlan(plan_runs(self.held, rows), self.prompt_width, self.response_mask.shape[1])
+
+
+def version_stats(batch: RolloutBatch) -> torch.Tensor:
+    """[N, 3] per response: the version of its first token, the mean over its tokens, and the count
+    of its tokens sampled by a newer policy than the first (`StepSamples.version_stats`)."""
+    versions, mask = batch.tensor("rollout_versions"), batch.response_mask.bool()  # [N, R]
+    tokens = mask.sum(-1).clamp(min=1)
+    first = versions[:, 0]
+    mean = (versions * mask).sum(-1) / tokens
+    newer = ((versions > first.unsqueeze(-1)) & mask).sum(-1)
+    return torch.stack([first.double(), mean.double(), newer.double()], dim=-1).float()
 
 
 @dataclass(frozen=True)

@@ -285,6 +285,7 @@ def _check_async(config: PPOConfig) -> list[str]:
     elif algo.adv_estimator in ESTIMATOR_NEEDS:
         errors += config.plan.problems()  # what the step plan needs from the engines
     errors += _truncated_ratio_errors(config)
+    errors += _partial_rollout_errors(config)
     if rollout.async_ranks == 0:
         return errors
     if not 0 < rollout.async_ranks < config.world_size:
@@ -311,6 +312,28 @@ def _check_async(config: PPOConfig) -> list[str]:
             "asynchronous mode with LoRA is not built (merged weights are broadcast by the hybrid sync only)"
         )
     return errors
+
+
+def _partial_rollout_errors(config: PPOConfig) -> list[str]:
+    """worker.rollout.partial_rollouts: weights taken inside a generation need one in flight when a
+    sync comes (a staleness bound of 2 or more) and a ratio measured from the sampling policy."""
+    rollout = config.worker.rollout
+    if not rollout.partial_rollouts:
+        return []
+    if rollout.async_ranks == 0 or rollout.max_staleness < 2:
+        return [
+            "worker.rollout.partial_rollouts needs asynchronous mode with generations in flight when the "
+            "weights change: set worker.rollout.async_ranks >= 1 and worker.rollout.max_staleness >= 2 "
+            f"(now {rollout.async_ranks} and {rollout.max_staleness})"
+        ]
+    plan = config.plan
+    if plan.ratio_from == "actor" and plan.correction == "none":
+        return [
+            "worker.rollout.partial_rollouts with algorithm.old_policy=actor and no off-policy correction "
+            "would measure the ratio from a policy that sampled none of the tokens: use old_policy=auto "
+            "(the engine's log-probs, per token) or set algorithm.off_policy_correction"
+        ]
+    return []
 
 
 def _correction_errors(algo: AlgorithmConfig) -> list[str]:

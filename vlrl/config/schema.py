@@ -488,6 +488,12 @@ class RolloutConfig(_Section):
     trained; the generation runs up to this many steps ahead. 1: one-step-off-policy (generation
     overlaps the update); k >= 2: k steps ahead, the weights broadcast in the background and loaded
     by the engines between generations (vlrl/trainer/async_rollout.py); 0: no lag and no overlap."""
+    partial_rollouts: bool = False
+    """Asynchronous mode with `max_staleness` >= 2: an engine takes new weights between two of its
+    steps, inside a generation, instead of after it. The requests in flight keep their tokens and
+    recompute their KV cache under the new weights; every token records the policy version that
+    sampled it (`rollout_versions`) beside its log-prob, so the PPO ratio is measured from the
+    policy that sampled each token (docs/async.md, "Partial rollouts")."""
     val_override_config: dict[str, Any] = field(default_factory=dict)
     """Sampling overrides for validation (keys: n, temperature, top_p, top_k, seed, ignore_eos);
     empty: validation samples as training does."""

@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,6 +218,22 @@ class RolloutEngine(ABC):
     @abstractmethod
     def weight_dtype(self) -> torch.dtype:
         """Dtype the engine keeps its weights in (sync converts to it before loading)."""
+
+    policy_version: int | None = None
+    """The trainer's version (updates done) of the weights loaded, when the caller labels them
+    (asynchronous mode's rollout ranks): each sampled token then records it (`rollout_versions`)."""
+
+    def set_policy_version(self, version: int) -> None:
+        """Label the tokens sampled from now on with `version`."""
+        self.policy_version = version
+
+    between_steps: Callable[[], None] | None = None
+    """Partial rollouts (asynchronous mode): called between two engine steps of a generation; it
+    may load new weights there (`load_weights_in_flight`). None: never."""
+
+    def load_weights_in_flight(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """New weights inside a generation (partial rollouts); only the vLLM engine steps itself."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take weights inside a generation")
 
     weights_discarded: bool = False
     """True after a `sleep` that discarded the weights (vLLM level 2): the engine refuses to

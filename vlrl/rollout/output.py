@@ -51,8 +51,10 @@ def assemble_rollout_batch(
     pad_token_id: int,
     eos_token_ids: Collection[int],
     log_probs: Sequence[Sequence[float]] | None = None,
+    versions: Sequence[Sequence[int]] | None = None,
 ) -> RolloutBatch:
-    """The `RolloutBatch` of `prompts` with `responses` (N = len(prompts) * n lists, groups adjacent)."""
+    """The `RolloutBatch` of `prompts` with `responses` (N = len(prompts) * n lists, groups adjacent);
+    `log_probs` and `versions` (the policy version that sampled each token), one list per response."""
     if len(responses) != len(prompts) * n:
         raise ValueError(f"expected {len(prompts)} x {n} responses, got {len(responses)}")
     expanded = prompts.repeat_interleave(n)  # every per-prompt field, each row n times
@@ -75,4 +77,5 @@ def assemble_rollout_batch(
         ground_truths=expanded.ground_truths,
         extras=expanded.extras,
         rollout_log_probs=None if log_probs is None else pad_log_probs(log_probs, width),
+        rollout_versions=None if versions is None else pad_responses(versions, 0)[0][:, :width],
     )

@@ -13,11 +13,12 @@ discarded them (level 2, `sleep_level`) until the next sync.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -516,21 +517,33 @@ class VLLMRolloutEngine(RolloutEngine):
             return
         # vLLM refuses n > 1 with greedy sampling: ask for one and repeat it (the copies are equal).
         copies = s.n if s.greedy else 1
-        samples: dict[int, list[tuple[list[int], list[float]]]] = {}  # prompt row -> (ids, log-probs) x n
+        # prompt row -> (ids, log-probs, policy versions) x n
+        samples: dict[int, list[tuple[list[int], list[float], list[int]]]] = {}
         for finished in self._steps(self.requests(prompts), s):
             for row, output in finished:
                 samples[row] = [
-                    (list(o.token_ids), list(o.logprobs.logprobs) if o.logprobs is not None else [])
+                    (list(o.token_ids), list(o.logprobs.logprobs) if o.logprobs is not None else [],
+                     self._token_versions(o))
                     for o in sorted(output.outputs, key=lambda o: o.index)
                     for _ in range(copies)
-                ]
+                ]  # fmt: skip
             rows = [row for row, _ in finished]
-            yield FinishedGroups(rows, [ids for row in rows for ids, _ in samples[row]])
+            yield FinishedGroups(rows, [sample[0] for row in rows for sample in samples[row]])
         in_order = [sample for row in range(len(prompts)) for sample in samples[row]]
         yield assemble_rollout_batch(
-            prompts, [ids for ids, _ in in_order], s.n, self.pad_token_id, self.eos_token_ids,
-            [values for _, values in in_order] if s.logprobs else None,
+            prompts, [ids for ids, *_ in in_order], s.n, self.pad_token_id, self.eos_token_ids,
+            [values for _, values, _ in in_order] if s.logprobs else None,
+            [versions for *_, versions in in_order] if self.policy_version is not None else None,
         )  # fmt: skip
+
+    def _token_versions(self, output: Any) -> list[int]:
+        """The policy version that sampled each token of one completion (vLLM labels spans of output
+        tokens with the engine's weight version, `set_policy_version`); [] when no version is set."""
+        if self.policy_version is None:
+            return []
+        return [
+            int(span.version) for span in output.weight_versions or [] for _ in range(span.end - span.start)
+        ]
 
     def _steps(self, requests: list[dict[str, Any]], s: SamplingSettings) -> Iterator[list[tuple[int, Any]]]:
         """Run one call as `LLM.generate` does (queue every request, then step the engine until
@@ -549,6 +562,8 @@ class VLLMRolloutEngine(RolloutEngine):
             row_of = {rid: row for row, rid in enumerate(request_ids)}
             try:
                 while engine.has_unfinished_requests():
+                    if self.between_steps is not None:
+                        self.between_steps()
                     finished = [(row_of.pop(o.request_id), o) for o in engine.step() if o.finished]
                     if finished:
                         progress.update(len(finished))
@@ -667,6 +682,24 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.llm_engine.reset_encoder_cache()
         self.has_weights, self.weights_discarded = True, False
 
+    def set_policy_version(self, version: int) -> None:
+        """Label the tokens sampled from now on with `version` (vLLM's weight version: the finished
+        outputs' `weight_versions` spans, vllm/v1/engine/output_processor.py, vLLM 0.32)."""
+        self.policy_version = version
+        self.llm.llm_engine.set_weight_version(str(version))
+
+    def load_weights_in_flight(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Partial rollouts: new weights between two engine steps of a generation. The requests in
+        flight keep their sampled tokens and are preempted, so they recompute their KV cache (prompt
+        and tokens so far) under the new weights and sample on from the new policy alone; cached
+        prefixes and vision embeddings are dropped. A batch still running on the device (vLLM's
+        async scheduling, on GPU) finishes first: its tokens are resampled (`drop_stale_output`,
+        vllm/v1/core/sched/scheduler.py `reset_prefix_cache`, vLLM 0.32)."""
+        self.llm.collective_rpc("synchronize_device")
+        self.llm.reset_prefix_cache(reset_running_requests=True)
+        with _quiet("vllm.v1.engine.core"):  # its warning: encoder cache reset with requests queued
+            self.load_weights(named_tensors)
+
     # ------------------------------------------------------------------------ memory
     def sleep(self, weights_replaced_next: bool = False) -> None:
         """GPU with sleep mode: drop the KV cache, and offload the weights to host memory (level 1)
@@ -730,3 +763,15 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm = None
         destroy_model_parallel()
         gc.collect()
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Errors only from `logger_name` inside the block (a warning vlrl expects and handles)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -15,6 +15,11 @@ One sync (`send` on every training rank, `receive` on every rollout rank, at the
 The layout (names, shapes, dtypes, bucket bounds) is fixed for a run; it is written to the store
 once, at the first sync, and read once by each receiver.
 
+Each sync is announced in the store first (`announce`: sync number s -> the weights' version), so a
+rollout rank can tell, without blocking, that weights are on their way (`announced`) and take them
+between two engine steps (partial rollouts), or wait for a given version (`next_version`). Every
+receiver takes every sync, in order: the broadcasts are collectives of the whole group.
+
 Backends: gloo on CPU, NCCL on CUDA. A standalone group is built directly from the store
 (torch 2.13, torch/csrc/distributed/c10d/init.cpp binds `ProcessGroupGloo(store, rank, size,
 timeout)` and `ProcessGroupNCCL(store, rank, size, options)`); NCCL needs each member's CUDA device
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 
 LAYOUT_KEY = "vlrl/weight_layout"
+SYNCS_KEY = "vlrl/weight_syncs"  # how many syncs were announced; f"{SYNCS_KEY}/{s}": sync s's version
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,23 @@ class WeightBroadcast:
         self.member, self.device = member, torch.device("cuda" if device == "cuda" else "cpu")
         self.store, self.group = make_group(host, port, member, members, device, timeout_minutes)
         self.layout: list[list[TensorSlot]] | None = None
+        self.syncs = 0  # syncs this member announced (member 0) or received (the others)
+
+    # ------------------------------------------------------------------ announcements
+    def announce(self, version: int) -> None:
+        """Member 0, before broadcasting a sync: its version (updates done), then the count, so a
+        receiver that sees the count can always read the version."""
+        self.syncs += 1
+        self.store.set(f"{SYNCS_KEY}/{self.syncs}", str(version))
+        self.store.add(SYNCS_KEY, 1)
+
+    def announced(self) -> bool:
+        """Whether a sync this receiver has not taken was announced (a store round trip, no wait)."""
+        return int(self.store.add(SYNCS_KEY, 0)) > self.syncs
+
+    def next_version(self) -> int:
+        """The version of the next sync to take, waiting for its announcement; `receive` takes it."""
+        return int(self.store.get(f"{SYNCS_KEY}/{self.syncs + 1}").decode())
 
     # ------------------------------------------------------------------ training side
     def pack(
@@ -149,6 +172,7 @@ class WeightBroadcast:
     # ------------------------------------------------------------------ rollout side
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of one sync, bucket by bucket (pass it to the engine's `load_weights`)."""
+        self.syncs += 1
         index = 0
         while True:
             more = torch.zeros(1, dtype=torch.uint8, device=self.device)

@@ -54,6 +54,25 @@ class Prefetched:
         return self.batch
 
 
+def token_staleness(batch: StepSamples, version: int) -> dict[str, float]:
+    """How old the policies that sampled `batch`'s tokens are against the trainer's `version`
+    (updates done), from the versions the engines labelled every token with ({} without them):
+    `async/token_staleness_mean` (token mean) and `_max` (the oldest); with partial rollouts,
+    `async/tokens_newer_frac`, the share of tokens sampled by weights that arrived inside their
+    response's generation, and `async/rows_updated_frac`, the share of responses that saw a switch."""
+    if batch.version_stats is None:
+        return {}
+    first, mean, newer = batch.version_stats.double().unbind(-1)  # [N] each
+    tokens = batch.response_mask.sum(-1).double()  # [N]
+    total = float(tokens.sum().clamp(min=1))
+    return {
+        "async/token_staleness_mean": version - float((mean * tokens).sum()) / total,
+        "async/token_staleness_max": version - float(first.min()),
+        "async/tokens_newer_frac": float(newer.sum()) / total,
+        "async/rows_updated_frac": float((newer > 0).double().mean()),
+    }
+
+
 class AsyncRollout:
     """Keeps the engines' weights and the generation up to `staleness` steps ahead of the trainer
     (module docstring)."""
@@ -88,8 +107,11 @@ class AsyncRollout:
             return {}
         background = self.staleness > 1
         self.wait_for_receive()  # one background send at a time (rank 0 waits for its own too)
-        sent = self.roles.train.submit(RankWorker.send_weights, background=background)
-        received = self.roles.generate.submit(RankWorker.receive_weights)
+        train_ranks, engines = self.roles.train, self.roles.generate
+        sent = train_ranks.submit(
+            RankWorker.send_weights, [version] * len(train_ranks.workers), background=background
+        )
+        received = engines.submit(RankWorker.receive_weights, [version] * len(engines.workers))
         self.engine_version = version
         if background:
             self.receiving = received

@@ -39,7 +39,7 @@ from vlrl.config import PPOConfig
 from vlrl.models.sampling import truncation_warning
 from vlrl.rewards import RewardResult, scores_to_token_level
 from vlrl.rollout.base import eos_token_ids
-from vlrl.trainer.async_rollout import AsyncRollout, Prefetched
+from vlrl.trainer.async_rollout import AsyncRollout, Prefetched, token_staleness
 from vlrl.trainer.checkpoint import CheckpointManager, check_checkpoint, read_state
 from vlrl.trainer.dispatch import (
     balanced_shards,
@@ -60,6 +60,7 @@ from vlrl.trainer.metrics import (
 from vlrl.trainer.ranks import Pending, RankRoles
 from vlrl.trainer.rounds import BatchFiller
 from vlrl.trainer.validation import Validation
+from vlrl.utils.busy_clock import BUSY_S, WALL_S, IdleShares
 from vlrl.utils.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
 from vlrl.workers.rank_worker import RankWorker, check_same_banned_tokens
 from vlrl.workers.scoring import BatchScorer
@@ -117,6 +118,7 @@ class PPOTrainer:
         self.history: list[dict[str, float]] = []  # per-step metrics, for the summary and the plot
         self.drift_steps = 0  # steps whose engine/actor log-prob gap exceeded log_prob_diff_warn
         self.signal = SignalWatch()  # steps in a row with all-zero advantages
+        self.idle = IdleShares()  # each role's share of wall time waiting (vlrl.utils.busy_clock)
         warning = truncation_warning(config.worker.rollout.top_p, config.worker.rollout.top_k)
         if warning:
             logger.warning(warning)
@@ -214,6 +216,8 @@ class PPOTrainer:
             with timer("update"):
                 results = self.ranks.call(RankWorker.update, update_inputs(batch, shards, token_rewards))
             metrics.update(_mean_over_ranks([m for m, _ in results]))
+            clock = (metrics.pop(BUSY_S), metrics.pop(WALL_S))  # the training ranks' mean
+            metrics.update(self.idle.metrics("train" if self.roles.separate else "hybrid", clock))
             metrics.update(combine_drift([drift for _, drift in results]))
         if self.image_refs is not None:
             self.image_refs.clear()  # the ranks' updates released theirs
@@ -410,6 +414,8 @@ class PPOTrainer:
             ahead = Prefetched(self.global_step, prompts, version, batch=self._generate(prompts))
         batch = ahead.result()
         metrics["async/staleness"] = float(version - ahead.version)
+        metrics.update(token_staleness(batch, version))
+        metrics.update(self.idle.metrics("rollout", batch.busy_clock))
         ahead_steps = flow.next_steps(self.global_step, self.total_steps)
         if ahead_steps:
             metrics.update(flow.sync_engines(version))

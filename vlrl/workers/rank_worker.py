@@ -11,7 +11,6 @@ import contextlib
 import datetime
 import os
 import socket
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,12 +34,14 @@ from vlrl.rewards.runner import RewardRunner
 from vlrl.rollout.base import pad_token_id, sync_follows
 from vlrl.rollout.weight_broadcast import WeightBroadcast
 from vlrl.utils.background import in_background
+from vlrl.utils.busy_clock import BUSY_S, WALL_S, BusyClock, busy
 from vlrl.utils.gpu_driver import check_torch_sees_cuda
 from vlrl.utils.library_logs import debugging, quiet_library_logs
 from vlrl.utils.phase_times import PhaseTimes
 from vlrl.utils.rank_threads import set_rank_threads
 from vlrl.workers.scoring import BatchScorer, RankScoring
 from vlrl.workers.token_advantages import token_level_advantages
+from vlrl.workers.weight_exchange import WeightIntake, WeightSender
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -97,10 +98,13 @@ class RankWorker:
         # under Ray, batches carry image references (vlrl.batch.image_refs); in-process, the images
         # themselves. Either way dataset images come encoded and are decoded here, once per image.
         self.image_refs = ImageRefs.ray(local=decoded) if _under_ray() else None
-        self.broadcast: WeightBroadcast | None = None  # asynchronous mode: training rank 0 and rollout ranks
+        # asynchronous mode's weight broadcast (vlrl.workers.weight_exchange): training ranks send,
+        # rollout ranks take
+        self.sender: WeightSender | None = None
+        self.clock = BusyClock()  # wall time inside the driver's calls (vlrl.utils.busy_clock)
+        self.intake: WeightIntake | None = None
         self.published: list[tuple[int, Held]] = []  # (step, batch) this rank published and still holds
         self.rewards: RewardRunner | None = None  # this rank's reward workers (`generate(score=True)`)
-        self.sending: Future[dict[str, float]] | None = None  # a background weight send (rank 0)
 
     def setup(
         self, limit_images: int, optimizer_steps: int, limit_videos: int = 0, score: bool = False
@@ -192,6 +196,7 @@ class RankWorker:
         )
 
     # ------------------------------------------------------------------------- step phases
+    @busy
     def generate(
         self,
         prompts: PromptBatch,
@@ -232,6 +237,7 @@ class RankWorker:
         if scoring is not None:
             result, samples.reward_wait_s = scoring.finish(batch)
             samples.reward_parts, samples.reward_failures = result.scores, result.failures
+        samples.busy_clock = self.clock.reading()
         return samples
 
     def _run_engine(
@@ -306,6 +312,7 @@ class RankWorker:
         else:
             batch.images = [[decoded(image) for image in row] for row in batch.images]
 
+    @busy
     def take_rows(
         self, plan: TakePlan, rows: list[int], kl_penalty: KLPenalty | None = None
     ) -> PenalizedRewards | None:
@@ -351,6 +358,7 @@ class RankWorker:
             old[first:] = self.actor.compute_log_probs(batch.select(list(range(first, len(batch)))))
         return old
 
+    @busy
     def update(self, kept: KeptRows) -> tuple[dict[str, float], dict[str, float]]:
         """One PPO update on the rows `take_rows` kept here, then push the new weights to the engine.
 
@@ -396,6 +404,7 @@ class RankWorker:
         metrics.update(stats)
         if self.role == "hybrid":
             metrics.update(self.sync_weights())
+        metrics[BUSY_S], metrics[WALL_S] = self.clock.reading()  # the driver turns them into idle shares
         return metrics, drift
 
     def _kept_batch(self, kept: KeptRows) -> RolloutBatch:
@@ -433,50 +442,50 @@ class RankWorker:
     def join_weight_broadcast(self, host: str, port: int, member: int | None, members: int) -> None:
         """Training rank 0 (member 0) and every rollout rank (1..) join the broadcast group; all of
         them must be in this call at once (the group's rendezvous). The other training ranks
-        (`member` None) are not members."""
-        if member is None:
-            return
-        self.broadcast = WeightBroadcast(
-            host, port, member, members, self.config.trainer.device, self.config.trainer.dist_timeout_minutes
-        )
-
-    def send_weights(self, background: bool = False) -> dict[str, float]:
-        """Every training rank walks the actor's full tensors (FSDP all-gathers); rank 0 broadcasts
-        them in the engines' dtype, while every rollout rank is in `receive_weights`.
-
-        `background` (a staleness bound above 1, vlrl.trainer.async_rollout): the rollout ranks take
-        the weights only when the generation they are running ends, so rank 0 packs a host copy
-        now and broadcasts it from a thread while the training ranks go on; the previous such send
-        is waited for first (its metrics are returned then: one sync late)."""
+        (`member` None) are not members but send too (they take part in the all-gathers)."""
         from vlrl.rollout.vllm_engine import VLLM_DTYPES
+
+        rollout = self.config.worker.rollout
+        broadcast = None
+        if member is not None:
+            broadcast = WeightBroadcast(
+                host,
+                port,
+                member,
+                members,
+                self.config.trainer.device,
+                self.config.trainer.dist_timeout_minutes,
+            )
+        if self.role == "rollout":
+            assert broadcast is not None
+            self.intake = WeightIntake(broadcast, self.rollout, rollout.partial_rollouts)
+        else:
+            self.sender = WeightSender(
+                broadcast, rollout.sync_bucket_mb, getattr(torch, VLLM_DTYPES[rollout.dtype])
+            )
+
+    @busy
+    def send_weights(self, version: int, background: bool = False) -> dict[str, float]:
+        """Every training rank walks the actor's full tensors (FSDP all-gathers); rank 0 broadcasts
+        them in the engines' dtype as the weights of `version` (updates done), while every rollout
+        rank is in `receive_weights` or, with partial rollouts, takes them between two engine steps.
+        `background` (a staleness bound above 1): sent from a thread (`WeightSender.send`)."""
         from vlrl.rollout.weight_sync import full_named_tensors
 
-        start = time.perf_counter()
-        dtype = getattr(torch, VLLM_DTYPES[self.config.worker.rollout.dtype])
-        named = full_named_tensors(self.actor.model.module, dtype)  # cast before the all-gathers
-        if self.broadcast is None:  # not a member: join the gathers only
-            for _ in named:
-                pass
-            return {}
-        bucket_mb = self.config.worker.rollout.sync_bucket_mb
-        if not background:
-            metrics = self.broadcast.send(named, bucket_mb, dtype)
-            return {**metrics, "sync/time_s": time.perf_counter() - start}
-        previous = self.finish_send()
-        packed = self.broadcast.pack(named, bucket_mb, dtype)
-        broadcast = self.broadcast
-        self.sending = in_background(lambda: broadcast.send_packed(packed), "vlrl-weight-send")
-        return {**previous, "sync/pack_s": time.perf_counter() - start}
+        assert self.sender is not None, "join_weight_broadcast first"
+        named = full_named_tensors(self.actor.model.module, self.sender.dtype)  # cast before the all-gathers
+        return self.sender.send(named, version, background)
 
     def finish_send(self) -> dict[str, float]:
         """Wait for a background send (`send_weights(background=True)`); its metrics, or {}."""
-        sending, self.sending = self.sending, None
-        return sending.result() if sending is not None else {}
+        return self.sender.finish() if self.sender is not None else {}
 
-    def receive_weights(self) -> None:
-        """Load the weights training rank 0 broadcasts into this rollout rank's engine."""
-        assert self.broadcast is not None, "join_weight_broadcast first"
-        self.rollout.load_weights(self.broadcast.receive())
+    @busy
+    def receive_weights(self, version: int) -> None:
+        """Load the weights of `version` training rank 0 broadcasts into this rollout rank's engine
+        (nothing left to take when a generation took them between its steps)."""
+        assert self.intake is not None, "join_weight_broadcast first"
+        self.intake.receive(version)
 
     # ------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str, model_only: bool) -> None:
