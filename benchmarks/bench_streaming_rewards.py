@@ -56,10 +56,11 @@ def timed(fn) -> tuple[float, object]:
 
 
 def measure(trainer, prompts) -> dict[str, float]:
-    g, batch = timed(lambda: trainer._generate(prompts))
+    calls, step = trainer.calls, trainer.global_step
+    g, batch = timed(lambda: calls.generate(prompts, step))
     r, _ = timed(lambda: trainer.rewards.score(trainer.scorer.inputs(batch)))
-    after, _ = timed(lambda: trainer._score(trainer._generate(prompts)))
-    streamed, _ = timed(lambda: trainer._generate_and_score(prompts))
+    after, _ = timed(lambda: calls.score(calls.generate(prompts, step)))
+    streamed, _ = timed(lambda: calls.generate_scored(prompts, step))
     return {"G": g, "R": r, "after": after, "streamed": streamed}
 
 

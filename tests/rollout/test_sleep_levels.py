@@ -21,6 +21,7 @@ from vlrl.config.loader import load_config
 from vlrl.rollout import NoWeightsError, vllm_settings
 from vlrl.rollout.base import sync_follows
 from vlrl.rollout.vllm_engine import VLLMRolloutEngine, sleep_level
+from vlrl.utils.busy_clock import BusyClock
 
 
 @pytest.mark.parametrize(
@@ -172,6 +173,7 @@ def run_engine(config: Any, training: bool, discarded: bool = False) -> list[Any
     from vlrl.workers.rank_worker import RankWorker
 
     worker = RankWorker.__new__(RankWorker)
+    worker.clock = BusyClock()
     engine = RecordingEngine(discarded)
     worker.role, worker.config, worker.device = "hybrid", config, torch.device("cpu")
     worker.rollout = engine  # type: ignore[assignment]

@@ -18,6 +18,7 @@ import pytest
 import torch
 from rollout_helpers import rollout_config
 
+from vlrl.batch.held import Holdings
 from vlrl.batch.rows import FinishedGroups, RolloutBatch
 from vlrl.batch.samples import StepSamples
 from vlrl.config import RolloutConfig
@@ -29,6 +30,7 @@ from vlrl.rollout.vllm_engine import (
     memory_fraction,
     uses_sleep_mode,
 )
+from vlrl.utils.busy_clock import BusyClock
 
 BANNED = [3]
 
@@ -245,6 +247,7 @@ def run_generate(role: str) -> list[str]:
     from vlrl.workers.rank_worker import RankWorker
 
     worker = RankWorker.__new__(RankWorker)
+    worker.clock = BusyClock()
     engine = _RecordingEngine()
     worker.role, worker.rollout, worker.image_refs, worker.device = role, engine, None, torch.device("cpu")
     worker.rank = 0  # the first rank of its tensor-parallel group: it returns the rollouts
@@ -254,7 +257,7 @@ def run_generate(role: str) -> list[str]:
         algorithm=SimpleNamespace(online_filtering=False, adv_estimator="grpo"),
     )
     worker.actor = _RecordingActor(engine.calls)  # type: ignore[assignment]
-    worker.published = []
+    worker.holdings = Holdings(0)
     samples = worker.generate(SimpleNamespace(images=[]), keep_for=1)  # type: ignore[arg-type]
     assert isinstance(samples, StepSamples)
     return engine.calls

@@ -245,16 +245,16 @@ def test_the_rank_scores_groups_as_they_finish_and_the_same_batch_as_after_or_on
     rank.rewards.stream = spied_stream
     trainer.global_step = 1
     prompts = trainer.data.next_train_batch()
-    streamed, streamed_metrics = trainer._generate_and_score(prompts, responses_back=True)
+    streamed, streamed_metrics = trainer.calls.generate_scored(prompts, 1, responses_back=True)
     assert len(adds) > 1 and sorted(sum(adds, [])) == list(range(16))
     # worker.reward.streaming=false, on the frozen config the in-process rank shares
     object.__setattr__(trainer.config.worker.reward, "streaming", False)
     adds.clear()
-    after, after_metrics = trainer._generate_and_score(prompts, responses_back=True)
+    after, after_metrics = trainer.calls.generate_scored(prompts, 1, responses_back=True)
     assert adds == [list(range(16))]  # all at once, after generation
-    on_driver = trainer._generate(prompts, responses_back=True)
+    on_driver = trainer.calls.generate(prompts, 1, responses_back=True)
     on_driver.reward_parts = None  # as rows read from a checkpoint: the driver's reward workers score them
-    driver_metrics = trainer._score(on_driver)
+    driver_metrics = trainer.calls.score(on_driver)
     for other in (after, on_driver):
         for name in ("responses", "response_mask", "prompt_lengths", "turn_lengths", "token_level_scores"):
             assert torch.equal(getattr(streamed, name), getattr(other, name)), name
@@ -270,7 +270,7 @@ def test_the_rank_scores_groups_as_they_finish_and_the_same_batch_as_after_or_on
             without_calls(p) for p in other.scored_parts()
         ]
         assert without_calls(streamed_metrics) == without_calls(metrics)
-    assert trainer._generate(prompts).responses is None  # a training step's samples: scores, no ids
+    assert trainer.calls.generate(prompts, 1).responses is None  # a training step's samples: scores, no ids
 
 
 def test_a_resumed_run_validates_first_and_val_only_never_trains(
@@ -300,7 +300,7 @@ def test_a_batch_reward_sees_the_whole_batch_unless_it_declares_partial_batches(
     overrides = ("worker.rollout.name=vllm", "worker.rollout.max_num_seqs=4", "worker.reward.num_workers=2")
     whole = make(*overrides, partial=False)
     whole.global_step = 1
-    batch, _ = whole._generate_and_score(whole.data.next_train_batch())
+    batch, _ = whole.calls.generate_scored(whole.data.next_train_batch(), 1)
     assert whole.config.worker.reward.streaming and whole.rewards.whole_batches
     assert {parts["calls"] for parts in batch.scored_parts()} == {16.0}  # 4 prompts x 4 samples, one call
 
@@ -342,13 +342,13 @@ def test_validation_generates_its_image_rows_again_with_blank_and_swapped_images
 ) -> None:
     trainer = make(f"data.val_files={assets['val']}", "trainer.val_blind_rows=3")
     calls = []
-    generate = trainer._generate_and_score
+    generate = trainer.calls.generate_scored
 
     def spy(prompts, *args, **kwargs):
         calls.append([[image.pixels().tobytes() for image in row] for row in prompts.images])
         return generate(prompts, *args, **kwargs)
 
-    trainer._generate_and_score = spy
+    trainer.calls.generate_scored = spy
     metrics = trainer.validate()
     real, blank, swap = calls  # the 4 validation prompts; then the first 3, blanked; then swapped
     assert len(real) == 4 and len({row[0] for row in real}) == 4  # four different images

@@ -8,9 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vlrl.batch.held import Holdings
 from vlrl.batch.rows import FinishedGroups, KeptRows, RolloutBatch
 from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
+from vlrl.utils.busy_clock import BusyClock
 from vlrl.workers.rank_worker import RankWorker
 
 GROUPS = FinishedGroups(prompt_rows=[0], responses=[[7]])
@@ -57,7 +59,8 @@ def _worker(
 ) -> RankWorker:
     worker = RankWorker.__new__(RankWorker)  # no process group needed for this phase
     worker.device = torch.device(device)
-    worker.role, worker.image_refs, worker.rank, worker.published = "hybrid", None, rank, []
+    worker.role, worker.image_refs, worker.rank, worker.holdings = "hybrid", None, rank, Holdings(0)
+    worker.clock = BusyClock()
     worker.old_from_update = []  # take_rows ran a full old pass (or none was asked for)
     worker.config = PPOConfig()  # the defaults: one generation round, so the update's sync follows it
     worker.config.worker.rollout.tensor_parallel_size = tp
@@ -194,22 +197,30 @@ def test_the_update_measures_the_ratio_from_the_configured_old_policy(old_policy
     actor_old, engine = torch.full((1, 2), -1.0), torch.full((1, 2), -2.0)
     worker.kept_rows, worker.kept = [0], _rollout(engine=engine, old=actor_old)
     metrics, drift = worker.update(KeptRows([0], {}, per_row={"advantages": torch.ones(1)}))
-    assert metrics == {} and drift == {"mean": 1.0, "max": 1.0, "tokens": 2.0}  # engine vs actor, either way
+    assert set(metrics) == {"clock/busy_s", "clock/wall_s"}  # the rank's busy clock, for the driver
+    assert drift == {"mean": 1.0, "max": 1.0, "tokens": 2.0}  # engine vs actor, either way
     assert torch.equal(seen["old"], engine if old_policy == "rollout" else actor_old)
 
 
 def test_a_rank_holds_what_it_published_until_it_generates_for_a_later_step() -> None:
     """Its own reference keeps a published batch alive while the driver and the other ranks pass
     references to it along (a hybrid rank's rows are taken within their step; a rollout rank's
-    during the next one, while it already generates the one after)."""
+    up to `max_staleness` steps later, while it already generates the ones after)."""
     worker = _worker([], "cpu")
     first = worker.generate(prompts=SimpleNamespace(images=[]), keep_for=1)
     second = worker.generate(prompts=SimpleNamespace(images=[]), keep_for=1)  # a second round of step 1
-    assert [s for s, _ in worker.published] == [1, 1]
-    assert first is not None and second is not None and first.held[0][0] is worker.published[0][1]
+    assert [s for s, _ in worker.holdings.published] == [1, 1]
+    assert first is not None and second is not None and first.held[0][0] is worker.holdings.published[0][1]
     worker.generate(prompts=SimpleNamespace(images=[]))  # validation: nothing published or dropped
     worker.generate(prompts=SimpleNamespace(images=[]), keep_for=2)
-    assert [s for s, _ in worker.published] == [2]
-    worker.role = "rollout"  # asynchronous: step 2's rows are taken while step 3's are generated
+    assert [s for s, _ in worker.holdings.published] == [2]
+    worker.holdings = Holdings(1)  # a rollout rank, one step ahead: step 2's rows are taken during step 3
+    worker.generate(prompts=SimpleNamespace(images=[]), keep_for=2)
     worker.generate(prompts=SimpleNamespace(images=[]), keep_for=3)
-    assert [s for s, _ in worker.published] == [2, 3]
+    assert [s for s, _ in worker.holdings.published] == [2, 3]
+    worker.holdings = Holdings(2)  # two steps ahead: step s's rows are taken during step s + 2
+    for step in (3, 4, 5):
+        worker.generate(prompts=SimpleNamespace(images=[]), keep_for=step)
+    assert [s for s, _ in worker.holdings.published] == [3, 4, 5]
+    worker.generate(prompts=SimpleNamespace(images=[]), keep_for=6)
+    assert [s for s, _ in worker.holdings.published] == [4, 5, 6]

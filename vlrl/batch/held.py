@@ -44,6 +44,24 @@ def publish(batch: RolloutBatch) -> Held:
     return Held(ray.put(batch) if ray.is_initialized() else batch)
 
 
+class Holdings:
+    """The batches a generating rank published and must keep alive (it owns their object-store
+    entries) until the step that trains on them took its rows. The one rule: a batch for step s
+    may be taken up to `lag` steps later, so generating for step t drops what was published for
+    steps before t - lag. A hybrid rank's rows are taken within their step (lag 0); a rollout
+    rank's (asynchronous mode) up to `max_staleness` steps later (it generates for step s + k
+    during step s)."""
+
+    def __init__(self, lag: int) -> None:
+        self.lag = lag
+        self.published: list[tuple[int, Held]] = []  # (step, batch), oldest first
+
+    def keep(self, held: Held, step: int) -> Held:
+        """Hold `held`, published for `step`, and drop what no step can still take."""
+        self.published = [(s, h) for s, h in self.published if s >= step - self.lag] + [(step, held)]
+        return held
+
+
 @dataclass(frozen=True)
 class TakePlan:
     """A rank's rows of one step, in order: `runs` of (published batch, its row indices), and the

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence, Sized
-from dataclasses import replace
+from collections.abc import Callable, Sized
 from typing import Any
 
 import torch
@@ -37,15 +36,12 @@ from vlrl.batch.rows import PromptBatch, RolloutBatch, TokenRewards
 from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
 from vlrl.models.sampling import truncation_warning
-from vlrl.rewards import RewardResult, scores_to_token_level
 from vlrl.rollout.base import eos_token_ids
-from vlrl.trainer.async_rollout import AsyncRollout, Prefetched, token_staleness
+from vlrl.trainer.async_rollout import AsyncRollout
 from vlrl.trainer.checkpoint import CheckpointManager, check_checkpoint, read_state
 from vlrl.trainer.dispatch import (
     balanced_shards,
     gather_penalized,
-    merge_samples,
-    split_prompts,
     update_inputs,
 )
 from vlrl.trainer.loggers import Tracker, logged_history
@@ -57,8 +53,16 @@ from vlrl.trainer.metrics import (
     has_signal,
     throughput_metrics,
 )
-from vlrl.trainer.ranks import Pending, RankRoles
+from vlrl.trainer.ranks import RankRoles
 from vlrl.trainer.rounds import BatchFiller
+from vlrl.trainer.sources import (
+    EngineCalls,
+    GreedyBaseline,
+    PrefetchedRounds,
+    RolloutSource,
+    Round,
+    SynchronousRounds,
+)
 from vlrl.trainer.validation import Validation
 from vlrl.utils.busy_clock import BUSY_S, WALL_S, IdleShares
 from vlrl.utils.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
@@ -92,8 +96,6 @@ class PPOTrainer:
             config.worker.reward.skip_special_tokens,
         )  # fmt: skip
         self.rewards = rewards
-        # the generating ranks score their rows, unless the reward must see the whole batch at once
-        self.rank_scoring = not rewards.whole_batches
         algo = config.algorithm
         self.kl_ctrl = make_kl_controller(algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon)
         run_root = config.trainer.save_checkpoint_path
@@ -128,7 +130,18 @@ class PPOTrainer:
             run_root,
             lambda *probe: self.ranks.call_all(RankWorker.probe_shared_path, *probe),
         )
-        self.async_rollout = self._setup_ranks()
+        self.calls = EngineCalls(config, self.engines, rewards, self.scorer, data.pad_token_id, image_refs)
+        flow = self._setup_ranks()
+
+        def next_prompts() -> PromptBatch:
+            return self.data.next_train_batch()  # through `self.data`, whatever it is by then
+
+        self.source: RolloutSource = (
+            SynchronousRounds(self.calls, next_prompts)
+            if flow is None
+            else PrefetchedRounds(self.calls, next_prompts, flow, self.total_steps, self.idle)
+        )
+        self.baseline = GreedyBaseline(self.calls) if config.plan.baseline == "greedy" else None
         self.filler = BatchFiller(
             config.data.rollout_batch_size, config.worker.rollout.n, algo, config.trainer.max_try_make_batch,
             data.pad_token_id,
@@ -139,7 +152,7 @@ class PPOTrainer:
         forms the weight-broadcast group and checks both roles ban the same tokens)."""
         args = (
             self.data.max_images_per_prompt, self._optimizer_steps(), self.data.max_videos_per_prompt,
-            self.rank_scoring,
+            self.calls.rank_scoring,
         )  # fmt: skip
         if not self.roles.separate:
             self.ranks.call_all(RankWorker.setup, *args)
@@ -195,8 +208,7 @@ class PPOTrainer:
                 self.save_checkpoint(val_score)
             progress.update(1)
         progress.close()
-        if self.async_rollout is not None:
-            self.async_rollout.wait_for_receive()  # no weight broadcast left half done
+        self.source.close()
         return self.history
 
     def train_step(self) -> dict[str, float]:
@@ -297,161 +309,33 @@ class PPOTrainer:
         return {"rollout/log_prob_drift_steps": float(self.drift_steps)}
 
     # ------------------------------------------------------------------------ generation
-    def _generate(
-        self,
-        prompts: PromptBatch,
-        overrides: dict[str, Any] | None = None,
-        round_: int = 0,
-        keep: bool = True,
-        responses_back: bool = False,
-    ) -> StepSamples:
-        """Responses for `prompts` from every rank's engine, scored there (`rank_scoring`).
-        `round_`: the generation round of this step (each round gets its own seed); `keep`: the
-        ranks publish the rows for training; `responses_back`: the samples carry the response ids."""
-        pending = self._submit_generate(prompts, overrides, round_, keep=keep, responses_back=responses_back)
-        return self._merge(pending.result())
-
-    def _submit_generate(
-        self,
-        prompts: PromptBatch,
-        overrides: dict[str, Any] | None = None,
-        round_: int = 0,
-        step: int | None = None,
-        keep: bool = True,
-        responses_back: bool = False,
-    ) -> Pending:
-        """Start generating `prompts` on the engines for `step` (default: this one) and return at
-        once; `_merge` the result."""
-        shards, overrides = self._engine_inputs(prompts, overrides, round_, step)
-        kept_for = (self.global_step if step is None else step) if keep else None
-        return self.engines.submit(
-            RankWorker.generate, shards, overrides=overrides, keep_for=kept_for, score=self.rank_scoring,
-            responses_back=responses_back or not self.rank_scoring,
-        )  # fmt: skip
-
-    def _engine_inputs(
-        self, prompts: PromptBatch, overrides: dict[str, Any] | None, round_: int, step: int | None = None
-    ) -> tuple[list[PromptBatch], dict[str, Any]]:
-        """Each engine's prompts, and the call's sampling overrides with the round's seed."""
-        rollout = self.config.worker.rollout
-        step = self.global_step if step is None else step
-        seed = _step_seed(rollout.seed, step) + round_ * 1_000_003
-        overrides = {"seed": seed, **(overrides or {})}
-        if self.image_refs is not None:
-            prompts = replace(prompts)  # the loader's batch keeps its objects
-            self.image_refs.refer(prompts)
-        shards = split_prompts(prompts, self.config.rollout_world_size, rollout.tensor_parallel_size)
-        return shards, overrides
-
-    def _generate_and_score(
-        self,
-        prompts: PromptBatch,
-        overrides: dict[str, Any] | None = None,
-        round_: int = 0,
-        timer: PhaseTimer | None = None,
-        keep: bool = True,
-        responses_back: bool = False,
-    ) -> tuple[StepSamples, dict[str, float]]:
-        """Generate and score `prompts`. The ranks score while they generate (with
-        `worker.reward.streaming`, each group as it finishes): `timing/reward` is only their wait
-        after generation ended. A batch reward that has not declared `PARTIAL_BATCHES = True` gets
-        the whole batch on the driver after generation instead. `keep`: the ranks publish the rows
-        for training (not for validation or ReMax's greedy pass). Returns the scored samples and
-        the reward metrics."""
-        timer = timer or PhaseTimer()
-        with timer("gen"):
-            batch = self._generate(prompts, overrides, round_, keep, responses_back)
-        timer.move(batch.reward_wait_s, "gen", "reward")
-        with timer("reward"):
-            return batch, self._score(batch)
-
-    def _merge(self, per_rank: Sequence[StepSamples | None]) -> StepSamples:
-        return merge_samples(
-            per_rank, self.config.worker.rollout.tensor_parallel_size, self.data.pad_token_id
-        )
-
     def _generate_scored_batch(
         self, timer: PhaseTimer
     ) -> tuple[StepSamples, torch.Tensor | None, dict[str, float]]:
-        """Generation rounds until the batch holds `rollout_batch_size` groups (`BatchFiller`):
-        the batch, the ReMax baselines [N] (None for other estimators) and the metrics."""
-        remax = self._remax_baselines if self.config.plan.baseline == "greedy" else None
-        return self.filler.fill(lambda round_: self._recorded(self._draw_round(round_, timer)), remax)
+        """Generation rounds from the rollout source until the batch holds `rollout_batch_size`
+        groups (`BatchFiller`): the batch, the ReMax baselines [N] (None for other estimators) and
+        the metrics. Each round's groups go into the prompts' statistics."""
+        step, baseline = self.global_step, self.baseline
 
-    def _recorded(
-        self, drawn: tuple[PromptBatch, StepSamples, dict[str, float]]
-    ) -> tuple[PromptBatch, StepSamples, dict[str, float]]:
-        """A round, after its groups are added to the prompts' statistics."""
-        self.data.record(drawn[1], self.global_step)
-        return drawn
-
-    def _draw_round(
-        self, round_: int, timer: PhaseTimer
-    ) -> tuple[PromptBatch, StepSamples, dict[str, float]]:
-        """One generation round, scored: a loader batch (of `mini_rollout_batch_size` prompts when
-        set) generated now, or in asynchronous mode, for the first round, the batch generated
-        during the last step."""
-        if round_ > 0 or self.async_rollout is None:
-            prompts = self.data.next_train_batch()
-            batch, metrics = self._generate_and_score(prompts, round_=round_, timer=timer)
+        def draw(round_: int) -> Round:
+            prompts, batch, metrics = self.source.round(round_, step, timer)
+            self.data.record(batch, step)
             return prompts, batch, metrics
-        with timer("gen"):
-            prompts, batch, metrics = self._take_prefetched(self.async_rollout)
-        with timer("reward"):
-            metrics.update(self._score(batch))
-        return prompts, batch, metrics
 
-    def _take_prefetched(self, flow: AsyncRollout) -> tuple[PromptBatch, StepSamples, dict[str, float]]:
-        """Asynchronous mode, the step's first generation round: the one submitted during an earlier
-        step (or generated now), after which the engines get the trainer's weights and the rounds of
-        the steps up to `max_staleness` ahead start (vlrl.trainer.async_rollout). Not scored yet."""
-        version = self.global_step - 1  # updates done: the trainer's weights
-        ahead = flow.take(self.global_step)
-        metrics = {}
-        if ahead is None:  # step 1, or a staleness bound of 0: generate now, with the current weights
-            metrics.update(flow.sync_engines(version))
-            prompts = self.data.next_train_batch()
-            ahead = Prefetched(self.global_step, prompts, version, batch=self._generate(prompts))
-        batch = ahead.result()
-        metrics["async/staleness"] = float(version - ahead.version)
-        metrics.update(token_staleness(batch, version))
-        metrics.update(self.idle.metrics("rollout", batch.busy_clock))
-        ahead_steps = flow.next_steps(self.global_step, self.total_steps)
-        if ahead_steps:
-            metrics.update(flow.sync_engines(version))
-        for step in ahead_steps:
-            prompts_next = self.data.next_train_batch()
-            flow.submit(step, prompts_next, self._submit_generate(prompts_next, step=step), self._merge)
-        return ahead.prompts, batch, metrics
+        def baselines(prompts: PromptBatch, batch: StepSamples, round_: int) -> torch.Tensor:
+            assert baseline is not None
+            return baseline.baselines(prompts, batch, round_, step)
 
-    def _score(self, batch: StepSamples) -> dict[str, float]:
-        """Put each sample's overall score on its response's last token; the reward metrics. The
-        ranks scored the samples, except for a whole-batch reward or rows read from a checkpoint
-        (asynchronous resume), which the driver's reward workers score here."""
-        if batch.reward_parts is None:
-            result = self.rewards.score(self.scorer.inputs(batch))
-            batch.reward_parts = result.scores
-        else:
-            result = RewardResult(batch.reward_parts, batch.reward_failures)
-        overall = torch.tensor([s["overall"] for s in result.scores], dtype=torch.float32)
-        batch.token_level_scores = scores_to_token_level(overall, batch.response_mask)
-        return result.metrics()
-
-    def _remax_baselines(self, prompts: PromptBatch, batch: StepSamples, round_: int) -> torch.Tensor:
-        """ReMax: each sample's baseline is the reward of a greedy response to its prompt. [N]"""
-        greedy, _ = self._generate_and_score(prompts, {"n": 1, "temperature": 0.0}, round_, keep=False)
-        by_uid = {
-            uid: parts["overall"] for uid, parts in zip(greedy.group_ids.tolist(), greedy.scored_parts())
-        }
-        return torch.tensor([by_uid[uid] for uid in batch.group_ids.tolist()])
+        return self.filler.fill(draw, baselines if baseline is not None else None)
 
     # ------------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
-        if self.async_rollout is not None:  # validate the policy trained so far, not the engines' lag
-            self.async_rollout.sync_engines(self.global_step)
+        self.source.before_validation(self.global_step)
 
         def generate(prompts: PromptBatch, overrides: dict[str, Any], with_ids: bool) -> StepSamples:
-            return self._generate_and_score(prompts, overrides, keep=False, responses_back=with_ids)[0]
+            return self.calls.generate_scored(
+                prompts, self.global_step, overrides=overrides, keep=False, responses_back=with_ids
+            )[0]
 
         assert self.validation is not None  # the loop validates only when there is val data
         metrics, samples = self.validation.run(generate, self.global_step)
@@ -469,8 +353,7 @@ class PPOTrainer:
         def write_actor(folder: str) -> None:
             self.ranks.call_all(RankWorker.save_checkpoint, folder, model_only)
             self.data.stats.save(os.path.dirname(folder))
-            if self.async_rollout is not None:  # the generation in flight, for an exact resume
-                self.async_rollout.save(os.path.dirname(folder), self._fetch_media, self._rows_of)
+            self.source.save(os.path.dirname(folder), self._fetch_media, self._rows_of)
 
         state = {
             "dataloader": self.data.state_dict(),
@@ -511,8 +394,7 @@ class PPOTrainer:
                 "resumed; start a new run from its actor/huggingface folder (worker.actor.model.model_path)"
             )
         self.ranks.call_all(RankWorker.load_checkpoint, os.path.join(path, "actor"))
-        if self.async_rollout is not None:
-            self.async_rollout.load(path, self._publish)
+        self.source.load(path, self._publish)
         self.data.load_state_dict(state["dataloader"])
         if not self.data.stats.load(path):
             logger.warning("%s holds no prompt statistics (saved by an older vlrl): they start anew", path)
@@ -556,8 +438,3 @@ def planned_steps(config: PPOConfig, train_loader: Sized) -> int:
 def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Each metric's mean over the ranks; a non-finite value stays so (logged as nan/inf, never dropped)."""
     return {k: sum(m[k] for m in per_rank) / len(per_rank) for k in per_rank[0]}
-
-
-def _step_seed(seed: int, step: int) -> int:
-    """Sampling seed of a step: a function of (seed, step) only, so a resumed run samples the same."""
-    return (seed * 1_000_003 + step) % (2**31 - 1)

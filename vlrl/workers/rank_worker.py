@@ -17,7 +17,7 @@ import torch
 
 from vlrl.algorithms.importance import log_prob_drift, off_policy_weights
 from vlrl.algorithms.kl import KLPenalty, PenalizedRewards, penalized_rewards
-from vlrl.batch.held import Held, TakePlan, publish, take
+from vlrl.batch.held import Holdings, TakePlan, publish, take
 from vlrl.batch.image_refs import ImageRefs
 from vlrl.batch.rows import (
     FinishedGroups,
@@ -103,7 +103,9 @@ class RankWorker:
         self.sender: WeightSender | None = None
         self.clock = BusyClock()  # wall time inside the driver's calls (vlrl.utils.busy_clock)
         self.intake: WeightIntake | None = None
-        self.published: list[tuple[int, Held]] = []  # (step, batch) this rank published and still holds
+        # the batches this rank published, kept until their step took its rows (vlrl.batch.held)
+        lag = max(config.worker.rollout.max_staleness, 1) if role == "rollout" else 0
+        self.holdings = Holdings(lag)
         self.rewards: RewardRunner | None = None  # this rank's reward workers (`generate(score=True)`)
 
     def setup(
@@ -211,7 +213,7 @@ class RankWorker:
         The rows stay here: with `keep_for` (the step that trains on them) the batch is published
         (`vlrl.batch.held`) and the driver gets `StepSamples` that say where it is; the training ranks
         take their rows from it. This rank holds its published batches until it generates for a later
-        step (`_hold`), so they outlive every reference the driver and the other ranks pass along.
+        step (`Holdings`), so they outlive every reference the driver and the other ranks pass along.
         Without `keep_for` (validation, ReMax's greedy pass) nothing is published.
 
         With `score` this rank scores its rows in its own reward workers (`vlrl.workers.scoring`;
@@ -232,7 +234,7 @@ class RankWorker:
         # The engines assemble rows on the CPU (vlrl.rollout.output.assemble_rollout_batch), on GPU
         # machines too, so what goes into the object store is host memory; the actor moves the rows
         # it takes to its device (tests/gpu/test_actor_gpu.py runs take_rows + update on CUDA).
-        held = None if keep_for is None else self._hold(publish(batch), keep_for)
+        held = None if keep_for is None else self.holdings.keep(publish(batch), keep_for)
         samples = StepSamples.of(batch, held, with_responses=responses_back)
         if scoring is not None:
             result, samples.reward_wait_s = scoring.finish(batch)
@@ -284,14 +286,6 @@ class RankWorker:
         if self.rewards is None:
             self.rewards = RewardRunner(self.config.worker.reward)
         return RankScoring(self.rewards, self.scorer, prompts, self.config.worker.reward.streaming)
-
-    def _hold(self, held: Held, step: int) -> Held:
-        """Keep `held` alive here, its owner's reference, and drop what earlier steps published: a
-        hybrid rank's rows are taken within their step, a rollout rank's (asynchronous mode) up to
-        `max_staleness` steps later (it generates for step s + k during step s)."""
-        lag = max(self.config.worker.rollout.max_staleness, 1) if self.role == "rollout" else 0
-        self.published = [(s, h) for s, h in self.published if s >= step - lag] + [(step, held)]
-        return held
 
     def _reports_rollouts(self) -> bool:
         """Whether this rank returns its engine's rollouts: the first rank of its tensor-parallel
