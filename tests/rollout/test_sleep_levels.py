@@ -170,24 +170,31 @@ class RecordingEngine:
 
 
 def run_engine(config: Any, training: bool, discarded: bool = False) -> list[Any]:
+    from vlrl.workers.engine_side import EngineSide
     from vlrl.workers.rank_worker import RankWorker
+    from vlrl.workers.training_side import TrainingSide
 
+    rollout = SimpleNamespace(tensor_parallel_size=1, max_staleness=1)
+    config = SimpleNamespace(**vars(config), worker=SimpleNamespace(rollout=rollout))
     worker = RankWorker.__new__(RankWorker)
     worker.clock = BusyClock()
     engine = RecordingEngine(discarded)
-    worker.role, worker.config, worker.device = "hybrid", config, torch.device("cpu")
-    worker.rollout = engine  # type: ignore[assignment]
-    worker.actor = SimpleNamespace(  # type: ignore[assignment]
+    worker.role, worker.config, worker.device, worker.rank = "hybrid", config, torch.device("cpu"), 0
+    worker.engine_side = EngineSide(config, 0, engine, None, None, lambda batch: None, False)  # type: ignore[arg-type]
+    actor = SimpleNamespace(
         offload_to_cpu=lambda: engine.calls.append("offload"),
         load_to_device=lambda: engine.calls.append("load"),
     )
+    worker.training = TrainingSide(config, 0, actor, None, 0, lambda b: None, lambda: None)  # type: ignore[arg-type]
 
     def sync_weights() -> dict[str, float]:
         engine.calls.append("sync")
         return {}
 
     worker.sync_weights = sync_weights  # type: ignore[method-assign]
-    worker._run_engine(SimpleNamespace(), None, None, training=training)  # type: ignore[arg-type]
+    with worker._room_for_engine(training):
+        for _ in engine.generate_stream(SimpleNamespace(), None):
+            pass
     return engine.calls
 
 

@@ -18,7 +18,6 @@ import pytest
 import torch
 from rollout_helpers import rollout_config
 
-from vlrl.batch.held import Holdings
 from vlrl.batch.rows import FinishedGroups, RolloutBatch
 from vlrl.batch.samples import StepSamples
 from vlrl.config import RolloutConfig
@@ -244,20 +243,28 @@ class _RecordingActor:
 
 
 def run_generate(role: str) -> list[str]:
+    from vlrl.workers.engine_side import EngineSide
     from vlrl.workers.rank_worker import RankWorker
+    from vlrl.workers.training_side import TrainingSide
 
     worker = RankWorker.__new__(RankWorker)
     worker.clock = BusyClock()
     engine = _RecordingEngine()
-    worker.role, worker.rollout, worker.image_refs, worker.device = role, engine, None, torch.device("cpu")
+    worker.role, worker.image_refs, worker.device = role, None, torch.device("cpu")
     worker.rank = 0  # the first rank of its tensor-parallel group: it returns the rollouts
     worker.config = SimpleNamespace(  # type: ignore[assignment]
         worker=SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=1, max_staleness=1)),
         data=SimpleNamespace(rollout_batch_size=1, mini_rollout_batch_size=None),
         algorithm=SimpleNamespace(online_filtering=False, adv_estimator="grpo"),
     )
-    worker.actor = _RecordingActor(engine.calls)  # type: ignore[assignment]
-    worker.holdings = Holdings(0)
+    worker.engine_side = EngineSide(
+        worker.config, 0, engine, None, None, lambda batch: None, role == "rollout"
+    )  # type: ignore[arg-type]
+    worker.training = (
+        TrainingSide(worker.config, 0, _RecordingActor(engine.calls), None, 0, lambda b: None, lambda: None)  # type: ignore[arg-type]
+        if role == "hybrid"
+        else None
+    )
     samples = worker.generate(SimpleNamespace(images=[]), keep_for=1)  # type: ignore[arg-type]
     assert isinstance(samples, StepSamples)
     return engine.calls

@@ -231,7 +231,7 @@ def test_the_rank_scores_groups_as_they_finish_and_the_same_batch_as_after_or_on
     scores equal those of scoring after generation, on the rank or on the driver. The driver gets
     no response ids unless it asks."""
     trainer = make("worker.rollout.name=vllm", "worker.rollout.max_num_seqs=4", "data.max_response_length=8")
-    rank = trainer.engines.workers[0]
+    rank = trainer.engines.workers[0].engine_side
     rank.rewards = RewardRunner(trainer.config.worker.reward)  # what the rank starts on first use, spied
     adds: list[list[int]] = []
     open_stream = rank.rewards.stream

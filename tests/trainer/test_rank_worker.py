@@ -13,7 +13,9 @@ from vlrl.batch.rows import FinishedGroups, KeptRows, RolloutBatch
 from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
 from vlrl.utils.busy_clock import BusyClock
+from vlrl.workers.engine_side import EngineSide
 from vlrl.workers.rank_worker import RankWorker
+from vlrl.workers.training_side import TrainingSide
 
 GROUPS = FinishedGroups(prompt_rows=[0], responses=[[7]])
 
@@ -57,15 +59,19 @@ class _Recorder:
 def _worker(
     calls: list[str], device: str, fail_on: str | None = None, rank: int = 0, tp: int = 1
 ) -> RankWorker:
-    worker = RankWorker.__new__(RankWorker)  # no process group needed for this phase
+    """A hybrid rank (both sides) around recording fakes; no process group needed for these phases."""
+    worker = RankWorker.__new__(RankWorker)
     worker.device = torch.device(device)
-    worker.role, worker.image_refs, worker.rank, worker.holdings = "hybrid", None, rank, Holdings(0)
+    worker.role, worker.image_refs, worker.rank = "hybrid", None, rank
     worker.clock = BusyClock()
-    worker.old_from_update = []  # take_rows ran a full old pass (or none was asked for)
     worker.config = PPOConfig()  # the defaults: one generation round, so the update's sync follows it
     worker.config.worker.rollout.tensor_parallel_size = tp
-    worker.actor = _Recorder(calls, "actor")
-    worker.rollout = _Recorder(calls, "rollout", fail_on)
+    engine = _Recorder(calls, "rollout", fail_on)
+    worker.engine_side = EngineSide(
+        worker.config, rank, engine, None, None, lambda batch: None, rollout_only=False
+    )
+    worker.training = TrainingSide(worker.config, rank, _Recorder(calls, "actor"), None, 0, lambda batch: None,
+                                   lambda: None)  # fmt: skip
     return worker
 
 
@@ -102,7 +108,7 @@ class _Scoring:
 
 def _scoring_worker(calls: list[str], **kwargs) -> RankWorker:
     worker = _worker(calls, "cpu", **kwargs)
-    worker._scoring = lambda prompts: _Scoring(calls)
+    worker.engine_side._scoring = lambda prompts: _Scoring(calls)
     return worker
 
 
@@ -162,21 +168,21 @@ def test_gpu_process_group_has_a_cpu_backend_for_fsdp_cpu_offload() -> None:
 
 
 def test_update_reads_the_kept_rows_in_the_drivers_order_and_spreads_per_row_advantages() -> None:
-    worker = _worker([], "cpu")
+    side = _worker([], "cpu").training
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    worker.kept_rows = [7, 3]  # the step's row ids of the kept shard, in its order
-    worker.kept = RolloutBatch(
+    side.kept_rows = [7, 3]  # the step's row ids of the kept shard, in its order
+    side.kept = RolloutBatch(
         input_ids=torch.arange(10).view(2, 5), attention_mask=torch.ones(2, 5, dtype=torch.long),
         position_ids=torch.arange(5).repeat(2, 1), responses=torch.tensor([[7, 8, 0], [9, 0, 0]]),
         response_mask=mask, group_ids=torch.tensor([0, 1]), prompt_length=2, images=[[], []],
         prompts=["a", "b"], ground_truths=[1, 2], extras=[{}, {}],
     )  # fmt: skip
-    batch = worker._kept_batch(KeptRows([3, 7], {}, per_row={"advantages": torch.tensor([-0.5, 2.0])}))
+    batch = side._kept_batch(KeptRows([3, 7], {}, per_row={"advantages": torch.tensor([-0.5, 2.0])}))
     assert batch.prompts == ["b", "a"] and batch.prompt_length == 2
     assert batch.advantages.tolist() == [[-0.5, 0.0, 0.0], [2.0, 2.0, 0.0]]
     assert batch.ref_log_probs is None  # never computed: still None
     with pytest.raises(RuntimeError, match=r"names rows \[5\] that this step's take_rows did not keep"):
-        worker._kept_batch(KeptRows([3, 5], {"advantages": torch.zeros(2, 3)}))
+        side._kept_batch(KeptRows([3, 5], {"advantages": torch.zeros(2, 3)}))
 
 
 @pytest.mark.parametrize("old_policy", ["actor", "rollout"])
@@ -190,12 +196,14 @@ def test_the_update_measures_the_ratio_from_the_configured_old_policy(old_policy
             return {}
 
     worker = _worker([], "cpu")
-    worker.role, worker.actor = "train", Actor()
+    worker.role, worker.engine_side = "train", None  # a training rank: no engine to sync into
     algorithm = SimpleNamespace(old_policy=old_policy, tis_cap=None)
     plan = replace(worker.config.plan, old_log_probs="pass", ratio_from=old_policy, correction="none")
-    worker.config = SimpleNamespace(worker=worker.config.worker, algorithm=algorithm, plan=plan)
+    config = SimpleNamespace(worker=worker.config.worker, algorithm=algorithm, plan=plan)
+    side = worker.training
+    side.config, side.actor = config, Actor()
     actor_old, engine = torch.full((1, 2), -1.0), torch.full((1, 2), -2.0)
-    worker.kept_rows, worker.kept = [0], _rollout(engine=engine, old=actor_old)
+    side.kept_rows, side.kept = [0], _rollout(engine=engine, old=actor_old)
     metrics, drift = worker.update(KeptRows([0], {}, per_row={"advantages": torch.ones(1)}))
     assert set(metrics) == {"clock/busy_s", "clock/wall_s"}  # the rank's busy clock, for the driver
     assert drift == {"mean": 1.0, "max": 1.0, "tokens": 2.0}  # engine vs actor, either way
@@ -209,18 +217,23 @@ def test_a_rank_holds_what_it_published_until_it_generates_for_a_later_step() ->
     worker = _worker([], "cpu")
     first = worker.generate(prompts=SimpleNamespace(images=[]), keep_for=1)
     second = worker.generate(prompts=SimpleNamespace(images=[]), keep_for=1)  # a second round of step 1
-    assert [s for s, _ in worker.holdings.published] == [1, 1]
-    assert first is not None and second is not None and first.held[0][0] is worker.holdings.published[0][1]
+    holdings = worker.engine_side.holdings
+    assert [s for s, _ in holdings.published] == [1, 1]
+    assert first is not None and second is not None and first.held[0][0] is holdings.published[0][1]
     worker.generate(prompts=SimpleNamespace(images=[]))  # validation: nothing published or dropped
     worker.generate(prompts=SimpleNamespace(images=[]), keep_for=2)
-    assert [s for s, _ in worker.holdings.published] == [2]
-    worker.holdings = Holdings(1)  # a rollout rank, one step ahead: step 2's rows are taken during step 3
+    assert [s for s, _ in holdings.published] == [2]
+    worker.engine_side.holdings = holdings = Holdings(
+        1
+    )  # a rollout rank, one step ahead: step 2's rows are taken during step 3
     worker.generate(prompts=SimpleNamespace(images=[]), keep_for=2)
     worker.generate(prompts=SimpleNamespace(images=[]), keep_for=3)
-    assert [s for s, _ in worker.holdings.published] == [2, 3]
-    worker.holdings = Holdings(2)  # two steps ahead: step s's rows are taken during step s + 2
+    assert [s for s, _ in holdings.published] == [2, 3]
+    worker.engine_side.holdings = holdings = Holdings(
+        2
+    )  # two steps ahead: step s's rows are taken during step s + 2
     for step in (3, 4, 5):
         worker.generate(prompts=SimpleNamespace(images=[]), keep_for=step)
-    assert [s for s, _ in worker.holdings.published] == [3, 4, 5]
+    assert [s for s, _ in holdings.published] == [3, 4, 5]
     worker.generate(prompts=SimpleNamespace(images=[]), keep_for=6)
-    assert [s for s, _ in worker.holdings.published] == [4, 5, 6]
+    assert [s for s, _ in holdings.published] == [4, 5, 6]

@@ -1,5 +1,7 @@
-"""The per-rank Ray actor: one process holding an actor shard (FSDP2), a rollout engine (vLLM SPMD
-or HF) and, when KL is on, a reference policy. The driver calls one method per phase of a step.
+"""The per-rank Ray actor: one process holding an engine side (a rollout engine, vLLM SPMD or HF,
+with its scoring and published rows) and a training side (an actor shard, FSDP2, and when KL is
+on a reference policy), or one of them in asynchronous mode. The driver calls one method per phase
+of a step.
 
 Each method runs on every rank at once (the driver sends one shard per rank), because the
 FSDP all-gathers and the weight sync are collectives: a rank that skipped a call would hang the others.
@@ -11,25 +13,18 @@ import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlrl.algorithms.importance import log_prob_drift, off_policy_weights
-from vlrl.algorithms.kl import KLPenalty, PenalizedRewards, penalized_rewards
-from vlrl.batch.held import Holdings, TakePlan, publish, take
+from vlrl.algorithms.kl import KLPenalty, PenalizedRewards
+from vlrl.batch.held import TakePlan
 from vlrl.batch.image_refs import ImageRefs
-from vlrl.batch.rows import (
-    FinishedGroups,
-    KeptRows,
-    PromptBatch,
-    RolloutBatch,
-    spread_over_response,
-)
+from vlrl.batch.rows import KeptRows, PromptBatch, RolloutBatch
 from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
 from vlrl.data.encoded_images import decoded
-from vlrl.rewards import scores_to_token_level
 from vlrl.rewards.runner import RewardRunner
 from vlrl.rollout.base import pad_token_id, sync_follows
 from vlrl.rollout.weight_broadcast import WeightBroadcast
@@ -39,8 +34,9 @@ from vlrl.utils.gpu_driver import check_torch_sees_cuda
 from vlrl.utils.library_logs import debugging, quiet_library_logs
 from vlrl.utils.phase_times import PhaseTimes
 from vlrl.utils.rank_threads import set_rank_threads
-from vlrl.workers.scoring import BatchScorer, RankScoring
-from vlrl.workers.token_advantages import token_level_advantages
+from vlrl.workers.engine_side import EngineSide, reports_rollouts
+from vlrl.workers.scoring import BatchScorer
+from vlrl.workers.training_side import TrainingSide
 from vlrl.workers.weight_exchange import WeightIntake, WeightSender
 
 if TYPE_CHECKING:
@@ -48,11 +44,16 @@ if TYPE_CHECKING:
 
     from vlrl.rollout.base import RolloutEngine
     from vlrl.workers.actor import Actor
-    from vlrl.workers.reference import AdapterOffReference, Reference
 
 
 class RankWorker:
-    """Wrapped with `ray.remote` by the trainer (`vlrl.trainer.ray_workers.start_rank_groups`)."""
+    """Wrapped with `ray.remote` by the trainer (`vlrl.trainer.ray_workers.start_rank_groups`).
+
+    Composed of an engine side (`vlrl.workers.engine_side`) and a training side
+    (`vlrl.workers.training_side`): a hybrid rank holds both, a training rank of asynchronous mode
+    only the second, a rollout rank only the first. Each method is one of the driver's calls; it
+    runs on the side that serves it, and only what couples the two sides on a hybrid rank (room for
+    the engine around a generation, the weights synced into it after an update) is here."""
 
     def __init__(
         self,
@@ -85,29 +86,15 @@ class RankWorker:
         self.device = torch.device(
             f"cuda:{torch.cuda.current_device()}" if config.trainer.device == "cuda" else "cpu"
         )
-        # built by setup(), which the driver calls once the world is up
-        self.actor: Actor
-        self.rollout: RolloutEngine
-        self.reference: Reference | AdapterOffReference | None = None
-        # this step's shard and its log-probs, kept by `take_rows` for the update (which then gets
-        # only row ids and advantages from the driver): the step's row id of each row, and the rows.
-        # Emptied by the update.
-        self.kept_rows: list[int] = []
-        self.old_from_update: list[int] = []  # of kept_rows: the update computes their old log-probs
-        self.kept: RolloutBatch | None = None
         # under Ray, batches carry image references (vlrl.batch.image_refs); in-process, the images
         # themselves. Either way dataset images come encoded and are decoded here, once per image.
         self.image_refs = ImageRefs.ray(local=decoded) if _under_ray() else None
-        # asynchronous mode's weight broadcast (vlrl.workers.weight_exchange): training ranks send,
-        # rollout ranks take
-        self.sender: WeightSender | None = None
         self.clock = BusyClock()  # wall time inside the driver's calls (vlrl.utils.busy_clock)
-        self.intake: WeightIntake | None = None
-        # the batches this rank published, kept until their step took its rows (vlrl.batch.held)
-        lag = max(config.worker.rollout.max_staleness, 1) if role == "rollout" else 0
-        self.holdings = Holdings(lag)
-        self.rewards: RewardRunner | None = None  # this rank's reward workers (`generate(score=True)`)
+        # built by setup(), which the driver calls once the world is up
+        self.engine_side: EngineSide | None = None
+        self.training: TrainingSide | None = None
 
+    # ------------------------------------------------------------------------- start-up
     def setup(
         self, limit_images: int, optimizer_steps: int, limit_videos: int = 0, score: bool = False
     ) -> dict[str, float]:
@@ -121,7 +108,11 @@ class RankWorker:
         (`setup/<phase>_s`, `vlrl.utils.phase_times`; rank 0 prints them with `VLRL_DEBUG` set)."""
         times = PhaseTimes()
         rewards = None
-        if score and self.role != "train" and self._reports_rollouts():
+        if (
+            score
+            and self.role != "train"
+            and reports_rollouts(self.config, self.rank, self.role == "rollout")
+        ):
             # Its worker processes import the reward file while this rank loads the models: the
             # runner's start-up waits for them (`RewardRunner._start_all`), not this thread.
             rewards = in_background(lambda: RewardRunner(self.config.worker.reward), "vlrl-reward-start")
@@ -132,7 +123,7 @@ class RankWorker:
             raise
         if rewards is not None:
             with times.phase("reward_workers_wait"):
-                self.rewards = rewards.result()
+                self.engine_side_or_fail().rewards = rewards.result()
         if debugging() and self.rank == 0:
             times.print_to_stderr(f"{self.role} rank 0 setup:")
         return {**metrics, **times.metrics()}
@@ -145,14 +136,15 @@ class RankWorker:
             tokenizer, processor = self._load_processor()
         if self.role != "train":
             with times.phase("engine"):
-                self._build_engine(tokenizer, processor, limit_images, limit_videos)
-        if self.role == "rollout":
-            return {}  # the weights come by broadcast before the first generation
-        with times.phase("actor"):
-            self._build_models(processor, optimizer_steps)
-        if self.role == "train":
-            return {}
-        check_same_banned_tokens(self.rollout.banned_token_ids, self.actor.model.banned_token_ids)
+                self.engine_side = self._build_engine_side(tokenizer, processor, limit_images, limit_videos)
+        if self.role != "rollout":
+            with times.phase("actor"):
+                self.training = self._build_training_side(processor, optimizer_steps)
+        if self.engine_side is None or self.training is None:
+            return {}  # a rollout rank's weights come by broadcast before its first generation
+        check_same_banned_tokens(
+            self.engine_side.engine.banned_token_ids, self.training.actor.model.banned_token_ids
+        )
         with times.phase("weight_sync"):
             return self.sync_weights()
 
@@ -166,36 +158,70 @@ class RankWorker:
         self.pad_token_id = pad_token_id(tokenizer)  # the engines' (rows taken from them are padded with it)
         return tokenizer, processor
 
-    def _build_engine(self, tokenizer: Any, processor: Any, limit_images: int, limit_videos: int) -> None:
+    def _build_engine_side(
+        self, tokenizer: Any, processor: Any, limit_images: int, limit_videos: int
+    ) -> EngineSide:
         from vlrl.rollout import create_rollout_engine
         from vlrl.rollout.base import eos_token_ids
 
-        model_path = self.config.worker.actor.model.model_path
-        self.scorer = BatchScorer(
+        model_path, rollout_only = self.config.worker.actor.model.model_path, self.role == "rollout"
+        scorer = BatchScorer(
             tokenizer, self.pad_token_id, eos_token_ids(tokenizer, model_path),
             self.config.worker.reward.skip_special_tokens,
         )  # fmt: skip
-        self.rollout = create_rollout_engine(
+        engine = create_rollout_engine(
             self.config.worker.rollout, self.config.data, model_path, tokenizer, processor,
-            limit_images=limit_images, limit_videos=limit_videos, rollout_only=self.role == "rollout",
+            limit_images=limit_images, limit_videos=limit_videos, rollout_only=rollout_only,
         )  # fmt: skip
+        return EngineSide(
+            self.config, self.rank, engine, scorer, self.image_refs, self._fetch_media, rollout_only
+        )
 
-    def _build_models(self, processor: Any, optimizer_steps: int) -> None:
+    def _build_training_side(self, processor: Any, optimizer_steps: int) -> TrainingSide:
         """The actor and, with KL on, the reference."""
         from vlrl.workers.from_config import build_actor, build_reference
 
-        self.actor = build_actor(self.config, processor, self.device, total_steps=optimizer_steps)
-        if self.config.plan.reference:
-            self.reference = build_reference(self.config, processor, self.device, actor=self.actor)
+        actor = build_actor(self.config, processor, self.device, total_steps=optimizer_steps)
+        reference = (
+            build_reference(self.config, processor, self.device, actor=actor)
+            if self.config.plan.reference
+            else None
+        )
+        return TrainingSide(
+            self.config,
+            self.rank,
+            actor,
+            reference,
+            self.pad_token_id,
+            self._fetch_media,
+            self.release_images,
+        )
 
     def banned_token_ids(self) -> tuple[int, ...]:
-        """The tokens this rank's policy never samples: the engine's on a rollout rank, else the
-        actor's (the driver compares them across roles in asynchronous mode)."""
-        return (
-            tuple(self.rollout.banned_token_ids)
-            if self.role == "rollout"
-            else self.actor.model.banned_token_ids
-        )
+        """The tokens this rank's policy never samples: the actor's, or a rollout rank's engine's
+        (the driver compares them across roles in asynchronous mode)."""
+        if self.training is not None:
+            return self.training.actor.model.banned_token_ids
+        return tuple(self.engine_side_or_fail().engine.banned_token_ids)
+
+    def engine_side_or_fail(self) -> EngineSide:
+        if self.engine_side is None:
+            raise RuntimeError(
+                f"rank {self.rank} ({self.role}) holds no engine: setup first, or a generating rank"
+            )
+        return self.engine_side
+
+    def training_or_fail(self) -> TrainingSide:
+        if self.training is None:
+            raise RuntimeError(
+                f"rank {self.rank} ({self.role}) holds no actor: setup first, or a training rank"
+            )
+        return self.training
+
+    @property
+    def actor(self) -> Actor:
+        """The actor shard (tools and tests read it)."""
+        return self.training_or_fail().actor
 
     # ------------------------------------------------------------------------- step phases
     @busy
@@ -219,78 +245,34 @@ class RankWorker:
         With `score` this rank scores its rows in its own reward workers (`vlrl.workers.scoring`;
         each group as the engine reports it, with `worker.reward.streaming`) and the samples carry
         their reward parts; `responses_back`: they carry the response ids too."""
-        self._fetch_media(prompts)
-        scoring = self._scoring(prompts) if score and self._reports_rollouts() else None
-        try:
-            batch = self._run_engine(prompts, overrides, scoring, training=keep_for is not None)
-        except BaseException:
-            if scoring is not None:
-                scoring.abort()
-            raise
-        if not self._reports_rollouts():
-            return None
-        if self.image_refs is not None:  # the batch holds references (tool images are stored here)
-            self.image_refs.refer(batch)
-        # The engines assemble rows on the CPU (vlrl.rollout.output.assemble_rollout_batch), on GPU
-        # machines too, so what goes into the object store is host memory; the actor moves the rows
-        # it takes to its device (tests/gpu/test_actor_gpu.py runs take_rows + update on CUDA).
-        held = None if keep_for is None else self.holdings.keep(publish(batch), keep_for)
-        samples = StepSamples.of(batch, held, with_responses=responses_back)
-        if scoring is not None:
-            result, samples.reward_wait_s = scoring.finish(batch)
-            samples.reward_parts, samples.reward_failures = result.scores, result.failures
-        samples.busy_clock = self.clock.reading()
+        room = self._room_for_engine if self.training is not None else _no_room
+        samples = self.engine_side_or_fail().generate(
+            prompts, overrides, keep_for, score, responses_back, room
+        )
+        if samples is not None:
+            samples.busy_clock = self.clock.reading()
         return samples
 
-    def _run_engine(
-        self,
-        prompts: PromptBatch,
-        overrides: dict[str, Any] | None,
-        scoring: RankScoring | None,
-        training: bool = False,
-    ) -> RolloutBatch:
-        """The engine's batch for `prompts`; the groups it reports finished early go to `scoring`.
-
-        On a hybrid rank the actor's shards leave the GPU first (`worker.actor.offload`) and the
-        allocator's cached blocks are released, so the engine can wake into that memory; the engine
-        sleeps again and they come back afterwards. It discards its weights in that sleep when the
-        update's sync comes next (`training`: rows for the update; `vlrl.rollout.base.sync_follows`).
-        A rollout-only rank (asynchronous mode) holds nothing to make room for: its engine stays
-        awake between steps."""
-        hybrid = self.role == "hybrid"
-        if hybrid and self.rollout.weights_discarded:
+    @contextlib.contextmanager
+    def _room_for_engine(self, training: bool) -> Iterator[None]:
+        """A hybrid rank's generation: the actor's shards leave the GPU first
+        (`worker.actor.offload`) and the allocator's cached blocks are released, so the engine can
+        wake into that memory; the engine sleeps again and they come back afterwards. It discards
+        its weights in that sleep when the update's sync comes next (`training`: rows for the
+        update; `vlrl.rollout.base.sync_follows`)."""
+        engine, actor = self.engine_side_or_fail().engine, self.training_or_fail().actor
+        if engine.weights_discarded:
             # A level-2 sleep that no sync followed (not expected, `sync_follows`): the actor holds
             # exactly the weights the engine discarded, so this costs a sync, not correctness.
             self.sync_weights()
-        if hybrid:
-            self.actor.offload_to_cpu()
-            _release_cached_memory(self.device)
+        actor.offload_to_cpu()
+        _release_cached_memory(self.device)
         try:
-            if hybrid:
-                self.rollout.wake_up()
-            for item in self.rollout.generate_stream(prompts, overrides):
-                if not isinstance(item, FinishedGroups):
-                    batch = item
-                elif scoring is not None:
-                    scoring.add_groups(item)
-            if hybrid:
-                self.rollout.sleep(weights_replaced_next=sync_follows(self.config, training))
+            engine.wake_up()
+            yield
+            engine.sleep(weights_replaced_next=sync_follows(self.config, training))
         finally:
-            if hybrid:
-                self.actor.load_to_device()
-        return batch
-
-    def _scoring(self, prompts: PromptBatch) -> RankScoring:
-        """Scoring for one generation call, in this rank's reward workers (`setup` starts them;
-        else the first call does)."""
-        if self.rewards is None:
-            self.rewards = RewardRunner(self.config.worker.reward)
-        return RankScoring(self.rewards, self.scorer, prompts, self.config.worker.reward.streaming)
-
-    def _reports_rollouts(self) -> bool:
-        """Whether this rank returns its engine's rollouts: the first rank of its tensor-parallel
-        group (a rollout-only rank has an engine of its own)."""
-        return self.role == "rollout" or self.rank % self.config.worker.rollout.tensor_parallel_size == 0
+            actor.load_to_device()
 
     def release_images(self) -> None:
         """Drop this rank's hold on the step's images (the driver calls it after validation; an
@@ -317,116 +299,34 @@ class RankWorker:
 
         With `kl_penalty` (the KL penalty in the reward) returns the rows' rewards with it, per
         sequence (per token too when asked); else None: everything stays here."""
-        batch = take(plan, self.pad_token_id)
-        self._fetch_media(batch)
-        old = self._old_pass(batch)
-        ref = self.reference.compute_log_probs(batch) if self.reference is not None else None
-        batch.old_log_probs, batch.ref_log_probs = old, ref
-        # the rows whose old log-probs the update's first mini-batch computes (none after a full pass)
-        first = [] if self.config.plan.old_log_probs == "pass" else rows[: self.actor.samples_per_minibatch]
-        self.old_from_update = list(first)
-        self.kept_rows, self.kept = (
-            list(rows),
-            batch,
-        )  # replaces what a step that failed before its update left
-        if kl_penalty is None:
-            return None
-        if old is None or ref is None:
-            raise RuntimeError("a KL penalty in the reward needs the old and reference log-probs")
-        scores = scores_to_token_level(kl_penalty.scores, batch.response_mask)  # as the driver puts them
-        return penalized_rewards(
-            scores, old, ref, batch.response_mask, kl_penalty.coef, kl_penalty.kind, per_token=False
-        )
-
-    def _old_pass(self, batch: RolloutBatch) -> torch.Tensor | None:
-        """[N, R] old log-probs of the rows the plan's pass covers (0 where the update computes
-        them: the first mini-batch's, `mixed`), or None when it computes all (`update`)."""
-        which = self.config.plan.old_log_probs
-        if which == "update":
-            return None
-        if which == "pass":
-            return self.actor.compute_log_probs(batch)
-        first = min(self.actor.samples_per_minibatch, len(batch))
-        old = torch.zeros(batch.responses.shape, dtype=torch.float32)  # [N, R]
-        if first < len(batch):
-            old[first:] = self.actor.compute_log_probs(batch.select(list(range(first, len(batch)))))
-        return old
+        return self.training_or_fail().take_rows(plan, rows, kl_penalty)
 
     @busy
     def update(self, kept: KeptRows) -> tuple[dict[str, float], dict[str, float]]:
-        """One PPO update on the rows `take_rows` kept here, then push the new weights to the engine.
+        """One PPO update on the rows `take_rows` kept here, then (a hybrid rank) push the new
+        weights to the engine.
 
         With an off-policy correction (`algorithm.off_policy_correction`, `tis_cap`) the advantages
         are weighted here, where the engine's and the actor's log-probs are; with
         `algorithm.old_policy=rollout` the engine's log-probs are the old ones. Returns the
         update's metrics and the engine-vs-actor drift of the sampled tokens' log-probs
         (`log_prob_drift`: its mean, max and token count; {} without engine log-probs)."""
-        batch = self._kept_batch(kept)
-        algo, plan = self.config.algorithm, self.config.plan
-        own_first = self.old_from_update != []  # the first mini-batch's old log-probs come from the update
-        if own_first and kept.rows[: len(self.old_from_update)] != self.old_from_update:
-            raise RuntimeError(
-                f"rank {self.rank}: the update's first mini-batch (rows {kept.rows[:5]}...) is not the one "
-                f"take_rows left without old log-probs ({self.old_from_update[:5]}...)"
-            )
-        stats: dict[str, float] = {}
-        if kept.token_rewards is not None:  # before the old log-probs may give way to the engine's
-            ulysses = self.config.worker.actor.ulysses_size
-            batch.advantages, stats = token_level_advantages(batch, kept.token_rewards, ulysses)
-        drift: dict[str, float] = {}
-        if not own_first and batch.old_log_probs is not None and batch.rollout_log_probs is not None:
-            drift = log_prob_drift(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask)
-        corrected: dict[str, float] = {}
-        if plan.correction != "none":
-            weights, corrected = off_policy_weights(
-                plan.correction, batch.tensor("old_log_probs"), batch.tensor("rollout_log_probs"),
-                batch.response_mask, algo.correction_bound,
-            )  # fmt: skip
-            batch.advantages = batch.tensor("advantages") * weights
-        if plan.ratio_from == "rollout":  # the ratio from the policy that sampled
-            batch.old_log_probs, own_first = batch.tensor("rollout_log_probs"), False
-        try:
-            metrics = self.actor.update_policy(batch, on_policy=own_first)
-        finally:
-            self.kept_rows, self.kept, self.old_from_update = [], None, []
-            self.release_images()
-        if own_first and batch.rollout_log_probs is not None:  # the old ones are complete now
-            drift = log_prob_drift(
-                batch.rollout_log_probs, batch.tensor("old_log_probs"), batch.response_mask
-            )
-        metrics.update(corrected)
-        metrics.update(stats)
-        if self.role == "hybrid":
+        metrics, drift = self.training_or_fail().update(kept)
+        if self.engine_side is not None:
             metrics.update(self.sync_weights())
         metrics[BUSY_S], metrics[WALL_S] = self.clock.reading()  # the driver turns them into idle shares
         return metrics, drift
 
-    def _kept_batch(self, kept: KeptRows) -> RolloutBatch:
-        """The shard `take_rows` kept, in `kept.rows` order, with the driver's new columns."""
-        position = {row: i for i, row in enumerate(self.kept_rows)}
-        missing = [row for row in kept.rows if row not in position]
-        if self.kept is None or missing:
-            raise RuntimeError(
-                f"rank {self.rank}: the update names rows {missing[:5] or kept.rows[:5]} that this step's "
-                "take_rows did not keep here (take_rows must run first, with the same rows)"
-            )
-        batch = self.kept.select([position[row] for row in kept.rows])
-        for name, value in kept.columns.items():
-            setattr(batch, name, _to_width(value, batch.responses.shape[1]))
-        for name, value in kept.per_row.items():
-            setattr(batch, name, spread_over_response(value, batch.response_mask))
-        return batch
-
     def sync_weights(self) -> dict[str, float]:
+        """A hybrid rank: the actor's weights into its own engine."""
         from vlrl.rollout import sync_weights
 
-        return sync_weights(self.actor.model.module, self.rollout, self.config.worker.rollout.sync_bucket_mb)
+        actor, engine = self.training_or_fail().actor, self.engine_side_or_fail().engine
+        return sync_weights(actor.model.module, engine, self.config.worker.rollout.sync_bucket_mb)
 
     # ------------------------------------------------------------------ asynchronous mode
     def free_address(self) -> tuple[str, int]:
         """This node's address and a free port on it (training rank 0 hosts the broadcast group)."""
-        import socket
-
         import ray
 
         with socket.socket() as s:
@@ -450,13 +350,13 @@ class RankWorker:
                 self.config.trainer.device,
                 self.config.trainer.dist_timeout_minutes,
             )
-        if self.role == "rollout":
-            assert broadcast is not None
-            self.intake = WeightIntake(broadcast, self.rollout, rollout.partial_rollouts)
-        else:
-            self.sender = WeightSender(
-                broadcast, rollout.sync_bucket_mb, getattr(torch, VLLM_DTYPES[rollout.dtype])
-            )
+        if self.training is not None:
+            dtype = getattr(torch, VLLM_DTYPES[rollout.dtype])
+            self.training.sender = WeightSender(broadcast, rollout.sync_bucket_mb, dtype)
+            return
+        side = self.engine_side_or_fail()
+        assert broadcast is not None, "a rollout rank is a member of the broadcast group"
+        side.intake = WeightIntake(broadcast, side.engine, rollout.partial_rollouts)
 
     @busy
     def send_weights(self, version: int, background: bool = False) -> dict[str, float]:
@@ -464,39 +364,30 @@ class RankWorker:
         them in the engines' dtype as the weights of `version` (updates done), while every rollout
         rank is in `receive_weights` or, with partial rollouts, takes them between two engine steps.
         `background` (a staleness bound above 1): sent from a thread (`WeightSender.send`)."""
-        from vlrl.rollout.weight_sync import full_named_tensors
-
-        assert self.sender is not None, "join_weight_broadcast first"
-        named = full_named_tensors(self.actor.model.module, self.sender.dtype)  # cast before the all-gathers
-        return self.sender.send(named, version, background)
+        return self.training_or_fail().send_weights(version, background)
 
     def finish_send(self) -> dict[str, float]:
         """Wait for a background send (`send_weights(background=True)`); its metrics, or {}."""
-        return self.sender.finish() if self.sender is not None else {}
+        sender = self.training_or_fail().sender
+        return sender.finish() if sender is not None else {}
 
     @busy
     def receive_weights(self, version: int) -> None:
         """Load the weights of `version` training rank 0 broadcasts into this rollout rank's engine
         (nothing left to take when a generation took them between its steps)."""
-        assert self.intake is not None, "join_weight_broadcast first"
-        self.intake.receive(version)
+        intake = self.engine_side_or_fail().intake
+        assert intake is not None, "join_weight_broadcast first"
+        intake.receive(version)
 
     # ------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str, model_only: bool) -> None:
         """Sharded actor state + the config/processor (for `vlrl.tools.model_merger`) written by rank 0;
         with `model_only`, just a Hugging Face folder of the weights (not resumable)."""
-        if model_only:
-            self.actor.save_hf(os.path.join(path, "huggingface"))
-            return
-        self.actor.save_checkpoint(path)
-        if self.rank == 0:
-            self.actor.model.hf_config.save_pretrained(os.path.join(path, "hf_config"))
-            self.actor.model.tokenizer_or_processor().save_pretrained(os.path.join(path, "hf_config"))
-            self.actor.save_adapter_config(os.path.join(path, "hf_config"))
+        self.training_or_fail().save_checkpoint(path, model_only)
 
     def load_checkpoint(self, path: str) -> dict[str, float]:
-        self.actor.load_checkpoint(path)
-        return self.sync_weights() if self.role == "hybrid" else {}
+        self.training_or_fail().actor.load_checkpoint(path)
+        return self.sync_weights() if self.engine_side is not None else {}
 
     def process(self) -> tuple[int, str, str]:
         """(pid, host, CPU threads) of this rank's process, for messages about it and the start-up log."""
@@ -524,12 +415,19 @@ class RankWorker:
         """Stop the reward workers and the engine. `process_ends`: the caller ends this process
         next (the Ray driver kills its rank workers, `RankGroup.shutdown`), so the engine's memory
         is left to the OS (`VLLMRolloutEngine.close`); in-process ranks free it."""
-        if self.rewards is not None:
-            self.rewards.close()
-        if hasattr(self, "rollout"):  # set up (an in-process group may stop before setup)
-            _close_engine(self.rollout, process_ends)
+        side = getattr(self, "engine_side", None)  # set up (an in-process group may stop before setup)
+        if side is not None:
+            if side.rewards is not None:
+                side.rewards.close()
+            _close_engine(side.engine, process_ends)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _no_room(training: bool) -> Iterator[None]:
+    """A rollout rank's generation: its engine holds the device alone, awake between steps."""
+    yield
 
 
 def check_same_banned_tokens(engine: tuple[int, ...] | list[int], actor: tuple[int, ...]) -> None:
@@ -579,14 +477,6 @@ def process_group_backend(device: str) -> str:
     only the devices in `Backend.backend_capability`, which for nccl is ["cuda"]), so those calls
     would fail with "No backend type associated with device type cpu"."""
     return "cuda:nccl,cpu:gloo" if device == "cuda" else "gloo"
-
-
-def _to_width(values: torch.Tensor, width: int) -> torch.Tensor:
-    """[rows, R'] per-token values from the driver (R' = the step's widest response) cut or padded
-    to this rank's widest response R (the columns past it are padding)."""
-    if values.shape[1] >= width:
-        return values[:, :width]
-    return torch.nn.functional.pad(values, (0, width - values.shape[1]))
 
 
 def _release_cached_memory(device: torch.device) -> None:

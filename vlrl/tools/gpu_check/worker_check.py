@@ -211,5 +211,6 @@ def _old_and_ref(worker: Any, samples: StepSamples) -> tuple[torch.Tensor, torch
     plan; the old ones of every row are computed here, on the same untouched actor)."""
     rows = list(range(len(samples)))
     worker.take_rows(samples.plan(rows), rows)
-    ref = worker.kept.ref_log_probs  # kept in `rows` order
-    return worker.actor.compute_log_probs(worker.kept), ref
+    kept = worker.training_or_fail().kept  # kept in `rows` order
+    assert kept is not None
+    return worker.actor.compute_log_probs(kept), kept.ref_log_probs
