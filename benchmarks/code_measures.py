@@ -9,8 +9,8 @@ For each revision, read from git (the work tree is not touched):
                      driver, whichever module they live in at that revision; found by name)
   step-path funcs    how many such functions there are
   RankWorker roles   comparisons of `self.role` in vlrl/workers/rank_worker.py
-  hops to the loss   the chain of calls from `PPOTrainer.train_step` to the policy loss, named in
-                     CHAIN below by hand and checked to exist at the revision
+  hops to the loss   calls from `PPOTrainer.train_step` to the policy loss: the first chain of
+                     CHAINS below (named by hand) whose functions all exist at the revision
 """
 
 from __future__ import annotations
@@ -33,14 +33,16 @@ STEP_FUNCTIONS = {
 }  # fmt: skip
 STEP_MODULES = ["vlrl/trainer/ppo_trainer.py", "vlrl/trainer/rounds.py", "vlrl/trainer/sources.py",
                 "vlrl/trainer/async_rollout.py"]  # fmt: skip
-# From the step to the PPO loss, in-process (under Ray the update call crosses to the rank's process).
-CHAIN = [
-    ("vlrl/trainer/ppo_trainer.py", "train_step"),
-    ("vlrl/workers/rank_worker.py", "update"),
-    ("vlrl/workers/actor.py", "update_policy"),
-    ("vlrl/workers/actor.py", "forward_backward"),
-    ("vlrl/algorithms/losses.py", "compute_policy_loss"),
-]
+# From the step to the PPO loss, in-process (under Ray the update call crosses to the rank's
+# process): the first chain whose functions all exist at the revision is counted.
+CHAINS = [
+    [("vlrl/trainer/ppo_trainer.py", "train_step"), ("vlrl/workers/rank_worker.py", "update"),
+     ("vlrl/workers/training_side.py", "update"), ("vlrl/workers/actor.py", "update_policy"),
+     ("vlrl/workers/actor.py", "forward_backward"), ("vlrl/algorithms/losses.py", "compute_policy_loss")],
+    [("vlrl/trainer/ppo_trainer.py", "train_step"), ("vlrl/workers/rank_worker.py", "update"),
+     ("vlrl/workers/actor.py", "update_policy"), ("vlrl/workers/actor.py", "forward_backward"),
+     ("vlrl/algorithms/losses.py", "compute_policy_loss")],
+]  # fmt: skip
 
 
 def source(rev: str, path: str) -> str | None:
@@ -81,9 +83,11 @@ def role_comparisons(rev: str) -> int:
     )
 
 
-def chain_found(rev: str) -> str:
-    missing = [f"{path}:{name}" for path, name in CHAIN if f"def {name}(" not in (source(rev, path) or "")]
-    return f"{len(CHAIN) - 1}" if not missing else f"? (missing {', '.join(missing)})"
+def hops(rev: str) -> str:
+    for chain in CHAINS:
+        if all(f"def {name}(" in (source(rev, path) or "") for path, name in chain):
+            return str(len(chain) - 1)
+    return "?"
 
 
 def main() -> None:
@@ -93,9 +97,7 @@ def main() -> None:
     for rev in revs:
         total, ppo = trainer_lines(rev)
         ifs, functions = step_path_ifs(rev)
-        print(
-            f"{rev:<10}{total:>15}{ppo:>13}{ifs:>15}{functions:>7}{role_comparisons(rev):>9}{chain_found(rev):>6}"
-        )
+        print(f"{rev:<10}{total:>15}{ppo:>13}{ifs:>15}{functions:>7}{role_comparisons(rev):>9}{hops(rev):>6}")
 
 
 if __name__ == "__main__":

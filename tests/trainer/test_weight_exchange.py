@@ -51,7 +51,7 @@ class _Engine:
 
 def test_a_generation_takes_announced_syncs_between_its_steps_and_the_queued_receive_finds_none() -> None:
     group, engine = _Group([0]), _Engine()
-    intake = WeightIntake(group, engine, partial=True)
+    intake = WeightIntake(group, engine, partial=True, poll_every_s=0.0)
     assert engine.between_steps == intake.between_steps  # the engine calls it between two steps
     intake.receive(0)  # the first sync, before any generation: the driver's receive takes it
     assert engine.loads == [("after", [("w", 1)])] and engine.policy_version == 0
@@ -65,6 +65,15 @@ def test_a_generation_takes_announced_syncs_between_its_steps_and_the_queued_rec
     intake.receive(3)
     assert [where for where, _ in engine.loads] == ["after", "inside", "after", "after"]
     assert engine.policy_version == 3 and intake.version == 3
+
+
+def test_the_store_is_asked_at_most_every_poll_interval() -> None:
+    group, engine = _Group([0, 1]), _Engine()
+    intake = WeightIntake(group, engine, partial=True, poll_every_s=3600.0)
+    intake.between_steps()  # the first call asks: both announced syncs are taken
+    group.versions.append(2)
+    intake.between_steps()  # within the interval: not asked again
+    assert group.syncs == 2 and intake.version == 1
 
 
 def test_without_partial_rollouts_the_engine_is_never_interrupted() -> None:

@@ -25,6 +25,8 @@ from vlrl.rollout.base import RolloutEngine
 from vlrl.rollout.weight_broadcast import WeightBroadcast
 from vlrl.utils.background import in_background
 
+POLL_EVERY_S = 0.01  # partial rollouts: how often an engine asks whether a sync was announced
+
 
 class WeightSender:
     """A training rank's side (member 0 of the broadcast on rank 0; `broadcast` None elsewhere)."""
@@ -67,10 +69,17 @@ class WeightSender:
 class WeightIntake:
     """A rollout rank's side: the syncs it takes and the version its engine holds."""
 
-    def __init__(self, broadcast: WeightBroadcast, engine: RolloutEngine, partial: bool) -> None:
+    def __init__(
+        self,
+        broadcast: WeightBroadcast,
+        engine: RolloutEngine,
+        partial: bool,
+        poll_every_s: float = POLL_EVERY_S,
+    ) -> None:
         self.broadcast, self.engine = broadcast, engine
         self.version = -1  # the weights' version the engine holds; -1: none received yet
         self.in_flight = 0  # syncs taken inside a generation (partial rollouts)
+        self.poll_every_s, self.polled = poll_every_s, float("-inf")
         if partial:
             engine.between_steps = self.between_steps
 
@@ -81,7 +90,13 @@ class WeightIntake:
             self._take(self.engine.load_weights)
 
     def between_steps(self) -> None:
-        """Partial rollouts, between two engine steps: take a sync that was announced, if any."""
+        """Partial rollouts, between two engine steps: take a sync that was announced, if any. The
+        store is asked at most every `poll_every_s` (a round trip to training rank 0's node; a GPU
+        decode step can be a few milliseconds), so a sync waits at most that long for the engine."""
+        now = time.perf_counter()
+        if now - self.polled < self.poll_every_s:
+            return
+        self.polled = now
         while self.broadcast.announced():
             self._take(self.engine.load_weights_in_flight)
             self.in_flight += 1
