@@ -37,3 +37,17 @@ def test_busy_time_against_wall_time_and_the_idle_share_between_readings(monkeyp
         "ranks/rollout_idle_share": pytest.approx(0.25)
     }
     assert idle.metrics("train", None) == {}
+
+
+def test_a_wait_inside_a_call_is_idle_time(monkeypatch) -> None:
+    monkeypatch.setattr(busy_clock.time, "perf_counter", lambda: _now[0])
+    clock = BusyClock()
+    with clock.busy():
+        _now[0] += 1.0  # work
+        with clock.waiting():
+            _now[0] += 4.0  # for weights that are not sent yet
+        _now[0] += 2.0
+    assert clock.reading() == (3.0, 7.0)
+    with clock.waiting():  # outside any call: idle anyway, nothing to take off
+        _now[0] += 1.0
+    assert clock.reading() == (3.0, 8.0)

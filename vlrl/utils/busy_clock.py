@@ -20,12 +20,13 @@ R = TypeVar("R")
 
 
 class BusyClock:
-    """Busy seconds inside `busy()` blocks (nested blocks count once) and wall seconds since the first."""
+    """Busy seconds inside `busy()` blocks (nested blocks count once; `waiting()` blocks inside them
+    do not count) and wall seconds since the first."""
 
     def __init__(self) -> None:
         self.start: float | None = None
         self.busy_s = 0.0
-        self._depth, self._entered = 0, 0.0
+        self._depth, self._entered, self._waited = 0, 0.0, 0.0
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
@@ -40,14 +41,26 @@ class BusyClock:
         finally:
             self._depth -= 1
             if self._depth == 0:
-                self.busy_s += time.perf_counter() - self._entered
+                self.busy_s += time.perf_counter() - self._entered - self._waited
+                self._waited = 0.0
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """A wait inside a call (for weights another rank has not sent yet, for a previous send to
+        be received): idle time, though the rank is in one of the driver's calls."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._depth:
+                self._waited += time.perf_counter() - start
 
     def reading(self) -> tuple[float, float]:
         """(busy seconds, wall seconds) since the first call; a call in progress counts as busy so far."""
         now = time.perf_counter()
         if self.start is None:
             return 0.0, 0.0
-        running = now - self._entered if self._depth else 0.0
+        running = now - self._entered - self._waited if self._depth else 0.0
         return self.busy_s + running, now - self.start
 
 

@@ -352,11 +352,11 @@ class RankWorker:
             )
         if self.training is not None:
             dtype = getattr(torch, VLLM_DTYPES[rollout.dtype])
-            self.training.sender = WeightSender(broadcast, rollout.sync_bucket_mb, dtype)
+            self.training.sender = WeightSender(broadcast, rollout.sync_bucket_mb, dtype, self.clock)
             return
         side = self.engine_side_or_fail()
         assert broadcast is not None, "a rollout rank is a member of the broadcast group"
-        side.intake = WeightIntake(broadcast, side.engine, rollout.partial_rollouts)
+        side.intake = WeightIntake(broadcast, side.engine, rollout.partial_rollouts, clock=self.clock)
 
     @busy
     def send_weights(self, version: int, background: bool = False) -> dict[str, float]:

@@ -24,6 +24,7 @@ import torch
 from vlrl.rollout.base import RolloutEngine
 from vlrl.rollout.weight_broadcast import WeightBroadcast
 from vlrl.utils.background import in_background
+from vlrl.utils.busy_clock import BusyClock
 
 POLL_EVERY_S = 0.01  # partial rollouts: how often an engine asks whether a sync was announced
 
@@ -31,8 +32,15 @@ POLL_EVERY_S = 0.01  # partial rollouts: how often an engine asks whether a sync
 class WeightSender:
     """A training rank's side (member 0 of the broadcast on rank 0; `broadcast` None elsewhere)."""
 
-    def __init__(self, broadcast: WeightBroadcast | None, bucket_mb: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        broadcast: WeightBroadcast | None,
+        bucket_mb: float,
+        dtype: torch.dtype,
+        clock: BusyClock | None = None,
+    ) -> None:
         self.broadcast, self.bucket_mb, self.dtype = broadcast, bucket_mb, dtype
+        self.clock = clock or BusyClock()  # the rank's: waiting for the engines is idle time
         self.sending: Future[dict[str, float]] | None = None  # a background send
 
     def send(
@@ -53,7 +61,8 @@ class WeightSender:
             self.broadcast.announce(version)
             metrics = self.broadcast.send(named, self.bucket_mb, self.dtype)
             return {**metrics, "sync/time_s": time.perf_counter() - start}
-        previous = self.finish()
+        with self.clock.waiting():  # until the engines took the previous sync
+            previous = self.finish()
         packed = self.broadcast.pack(named, self.bucket_mb, self.dtype)
         broadcast = self.broadcast
         broadcast.announce(version)  # after the previous send ended: syncs are taken in order
@@ -75,8 +84,10 @@ class WeightIntake:
         engine: RolloutEngine,
         partial: bool,
         poll_every_s: float = POLL_EVERY_S,
+        clock: BusyClock | None = None,
     ) -> None:
         self.broadcast, self.engine = broadcast, engine
+        self.clock = clock or BusyClock()  # the rank's: waiting for a sync to be announced is idle time
         self.version = -1  # the weights' version the engine holds; -1: none received yet
         self.in_flight = 0  # syncs taken inside a generation (partial rollouts)
         self.poll_every_s, self.polled = poll_every_s, float("-inf")
@@ -102,7 +113,8 @@ class WeightIntake:
             self.in_flight += 1
 
     def _take(self, load: Callable[[Iterator[tuple[str, torch.Tensor]]], None]) -> None:
-        version = self.broadcast.next_version()
+        with self.clock.waiting():  # for training rank 0 to announce it
+            version = self.broadcast.next_version()
         load(self.broadcast.receive())
         self.engine.set_policy_version(version)
         self.version = version
