@@ -341,11 +341,18 @@ def test_weights_taken_between_engine_steps_sample_the_rest_of_each_response(vl,
     is labelled with the version that sampled it, and its log-prob is the one of that policy on the
     whole prefix: the old policy's before the switch, the new one's after it (the requests in flight
     recompute their KV cache under the new weights; with the old cache kept, the new policy's
-    teacher-forced log-probs would not match)."""
+    teacher-forced log-probs would not match). The update leaves the vision tower as it was (frozen:
+    the engine keeps the image embeddings it computed, `load_weights_in_flight`)."""
     synced(vl)
     engine, temperature = vl.engine, 0.7
     new = copy.deepcopy(vl.base)
-    perturb(new, seed=5, scale=0.3)
+    language = {name: p for name, p in new.named_parameters() if ".visual." not in f".{name}"}
+    with torch.no_grad():
+        before = {name: p.clone() for name, p in new.named_parameters() if name not in language}
+        perturb(new, seed=5, scale=0.3)
+        for name, p in new.named_parameters():
+            if name in before:
+                p.copy_(before[name])
     new_folder = save_model(new, vl.path, str(tmp_path / "new"))
     calls = []
 

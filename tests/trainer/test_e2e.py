@@ -102,9 +102,13 @@ def _check_merged_weights_changed(actor_dir: Path, initial: Path) -> None:
 def test_partial_rollouts_take_the_weights_inside_a_generation(
     assets: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Staleness 2 with partial rollouts, the engine serving one request at a time (64 tokens each,
-    EOS ignored), so that generating is far slower than training and a generation is running when
-    a sync comes. Steps 1 and 2 submit the generations of steps 2-3 and 4, each queued behind the
+    """Staleness 2 with partial rollouts on two rollout ranks (each takes a sync at its own engine
+    step; the broadcast completes when both have), each engine serving one request at a time (64
+    tokens each, EOS ignored), so that generating is far slower than training and a generation is
+    running when a sync comes. One request at a time also means a group's later samples start
+    after the switch while its first one encoded the image before it: the engine must keep that
+    embedding (vLLM has no pixels left to encode it again; resetting its encoder cache there failed
+    the next sample). Steps 1 and 2 submit the generations of steps 2-3 and 4, each queued behind the
     one running; the sync of step 2 (update 1) is queued behind the generation of step 3, and so
     without partial rollouts step 3 would train on tokens of update 0 only (staleness 2, as in
     `test_async_mode_trains_off_policy_and_resumes_exactly`). With them, that generation takes
@@ -115,7 +119,7 @@ def test_partial_rollouts_take_the_weights_inside_a_generation(
     tests/rollout/test_vllm_engine.py."""
     steps = 5
     run_cli(cli_args(
-        assets, tmp_path, "trainer.n_gpus_per_node=2", "worker.rollout.async_ranks=1",
+        assets, tmp_path, "trainer.n_gpus_per_node=3", "worker.rollout.async_ranks=2",
         "worker.rollout.max_staleness=2", "worker.rollout.partial_rollouts=true", f"trainer.max_steps={steps}",
         "trainer.val_before_train=false", "trainer.val_freq=-1", "data.val_files=''", "trainer.save_freq=-1",
         "data.max_response_length=64", "worker.rollout.ignore_eos=true", "worker.rollout.max_num_seqs=1",

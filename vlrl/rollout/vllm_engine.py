@@ -13,7 +13,6 @@ discarded them (level 2, `sleep_level`) until the next sync.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
@@ -328,6 +327,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._check_limits()
         self.llm = self._build_llm(model_path, tokenizer)
         self.has_weights = False  # False: the weights are random, discarded or half-loaded
+        self.in_flight_load = False  # a load inside a generation (partial rollouts) is running
         self.weights_discarded = False  # by a level-2 sleep (`sleep_level`); a full sync restores them
         self.asleep = False
         self._asleep_tags: set[str] = set()
@@ -677,9 +677,11 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"weight load left {len(missing)} of {len(expected)} vLLM parameters unset, e.g. {missing[:4]}: "
                 f"the names given do not cover the {self.family} model (see vlrl.rollout.weight_sync)"
             )
-        # Cached KV blocks and vision embeddings (scheduler bookkeeping and storage) are stale now.
+        # Cached KV blocks and vision embeddings (scheduler bookkeeping and storage) are stale now;
+        # inside a generation the embeddings stay (`load_weights_in_flight`).
         self.llm.reset_prefix_cache()
-        self.llm.llm_engine.reset_encoder_cache()
+        if not self.in_flight_load:
+            self.llm.llm_engine.reset_encoder_cache()
         self.has_weights, self.weights_discarded = True, False
 
     def set_policy_version(self, version: int) -> None:
@@ -691,14 +693,24 @@ class VLLMRolloutEngine(RolloutEngine):
     def load_weights_in_flight(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Partial rollouts: new weights between two engine steps of a generation. The requests in
         flight keep their sampled tokens and are preempted, so they recompute their KV cache (prompt
-        and tokens so far) under the new weights and sample on from the new policy alone; cached
-        prefixes and vision embeddings are dropped. A batch still running on the device (vLLM's
-        async scheduling, on GPU) finishes first: its tokens are resampled (`drop_stale_output`,
+        and tokens so far) under the new weights; cached prefixes are dropped. The images' vision
+        embeddings already computed are kept: vLLM sends an image's pixels to the model runner once
+        per content hash, so a request whose image another request encoded has no pixels to encode
+        again (resetting the encoder cache here made the next such request fail, "Expected number of
+        multimodal embeddings to match number of input items", vllm/v1/worker/utils.py, vLLM 0.32).
+        So after a switch the text side samples from the new weights over image embeddings of the
+        weights that first encoded each image: the new policy exactly when the vision tower is frozen
+        (`worker.actor.model.freeze_vision_tower`), close to it otherwise; every token's log-prob is
+        still that of what sampled it. A batch still running on the device (vLLM's async
+        scheduling, on GPU) finishes first: its tokens are resampled (`drop_stale_output`,
         vllm/v1/core/sched/scheduler.py `reset_prefix_cache`, vLLM 0.32)."""
         self.llm.collective_rpc("synchronize_device")
         self.llm.reset_prefix_cache(reset_running_requests=True)
-        with _quiet("vllm.v1.engine.core"):  # its warning: encoder cache reset with requests queued
+        self.in_flight_load = True
+        try:
             self.load_weights(named_tensors)
+        finally:
+            self.in_flight_load = False
 
     # ------------------------------------------------------------------------ memory
     def sleep(self, weights_replaced_next: bool = False) -> None:
@@ -763,15 +775,3 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm = None
         destroy_model_parallel()
         gc.collect()
-
-
-@contextlib.contextmanager
-def _quiet(logger_name: str) -> Iterator[None]:
-    """Errors only from `logger_name` inside the block (a warning vlrl expects and handles)."""
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
