@@ -268,6 +268,8 @@ def llm_kwargs(
 class VLLMRolloutEngine(RolloutEngine):
     """`vllm.LLM` in SPMD mode behind the `RolloutEngine` interface."""
 
+    in_flight_load: bool = False  # a load inside a generation (partial rollouts) is running
+
     def __init__(
         self,
         config: Any,
@@ -327,7 +329,6 @@ class VLLMRolloutEngine(RolloutEngine):
         self._check_limits()
         self.llm = self._build_llm(model_path, tokenizer)
         self.has_weights = False  # False: the weights are random, discarded or half-loaded
-        self.in_flight_load = False  # a load inside a generation (partial rollouts) is running
         self.weights_discarded = False  # by a level-2 sleep (`sleep_level`); a full sync restores them
         self.asleep = False
         self._asleep_tags: set[str] = set()
