@@ -484,16 +484,11 @@ class RolloutConfig(_Section):
     weights are broadcast to them (docs/async.md). 0: every rank trains and generates, one phase
     after the other (the default)."""
     max_staleness: int = 1
-    """Asynchronous mode: how many updates the sampling policy may lag behind the policy being
-    trained; the generation runs up to this many steps ahead. 1: one-step-off-policy (generation
-    overlaps the update); k >= 2: k steps ahead, the weights broadcast in the background and loaded
-    by the engines between generations (vlrl/trainer/async_rollout.py); 0: no lag and no overlap."""
+    """Asynchronous mode: updates the sampling policy may lag the trained one (generation runs up to
+    k steps ahead, weights sent in the background for k >= 2; docs/async.md); 0: no overlap."""
     partial_rollouts: bool = False
-    """Asynchronous mode with `max_staleness` >= 2: an engine takes new weights between two of its
-    steps, inside a generation, instead of after it. The requests in flight keep their tokens and
-    recompute their KV cache under the new weights; every token records the policy version that
-    sampled it (`rollout_versions`) beside its log-prob, so the PPO ratio is measured from the
-    policy that sampled each token (docs/async.md, "Partial rollouts")."""
+    """Asynchronous mode, `max_staleness` >= 2: engines take new weights between two engine steps,
+    inside a generation; each token records the policy version that sampled it (docs/async.md)."""
     val_override_config: dict[str, Any] = field(default_factory=dict)
     """Sampling overrides for validation (keys: n, temperature, top_p, top_k, seed, ignore_eos);
     empty: validation samples as training does."""
