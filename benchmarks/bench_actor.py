@@ -29,8 +29,9 @@ from transformers import AutoConfig
 
 from vlrl.batch.rows import RolloutBatch
 from vlrl.config import PPOConfig
+from vlrl.models.families import family_of
 from vlrl.models.flops import measured_cpu_peak, peak_flops, training_flops
-from vlrl.models.processor import load_processor, model_family
+from vlrl.models.processor import load_processor
 from vlrl.models.rope import continue_position_ids, left_pad_position_ids, mrope_position_ids
 from vlrl.workers.actor import Actor
 from vlrl.workers.from_config import build_actor as actor_from_config
@@ -57,7 +58,7 @@ def make_batch(model_dir: str, samples: int, max_response: int, seed: int) -> Ro
     rng = random.Random(seed)
     tokenizer, processor = load_processor(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
-    family, vc = model_family(config), config.vision_config
+    family, vc = family_of(config).vision_scheme, config.vision_config
     factor = processor.image_processor.patch_size * processor.image_processor.merge_size
     prompts, positions, images, responses = [], [], [], []
     for i in range(samples):

@@ -17,7 +17,8 @@ from transformers import AutoConfig
 
 from vlrl.batch.rows import RolloutBatch
 from vlrl.config import PPOConfig
-from vlrl.models.processor import load_processor, model_family
+from vlrl.models.families import family_of
+from vlrl.models.processor import load_processor
 from vlrl.models.rope import continue_position_ids, left_pad_position_ids, mrope_position_ids
 from vlrl.models.sampling import SamplingDistribution, banned_token_ids
 
@@ -58,7 +59,7 @@ def make_batch(
     rng = random.Random(seed)
     tokenizer, processor = load_processor(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
-    family = model_family(config)
+    family = family_of(config).vision_scheme
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     prompts, positions, images, responses = [], [], [], []
     for with_image, resp_len in specs:

@@ -31,6 +31,7 @@ EXAMPLES: dict[str, tuple[list[list[str]], bool]] = {
     "qwen2_5_vl_3b_multi_image.yaml": ([["examples/data/make_multi_image.py", "data/multi_image", "--n-train", "8", "--n-val", "4"]], False),
     "qwen2_5_vl_7b_dapo.yaml": ([], False),
     "qwen2_5_vl_7b_geo3k_grpo.yaml": ([], False),
+    "qwen3_5_27b_geo3k_grpo.yaml": ([], False),  # the Qwen3.5 family's row (padded, chunked prefill)
     "qwen2_5_vl_7b_geo3k_zoom.yaml": (
         [["examples/prepare_zoom_data.py", "--source", f"hiyouga/geometry3k@{split}", "--out", f"data/geo3k_zoom/{split}.jsonl"]
          for split in ("train", "test")],

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from rollout_helpers import free_port, init_world, load_hf_model
 from safetensors import safe_open
 
+from vlrl.models.families import FAMILIES, family_of
 from vlrl.models.tiny import ARCHS
-from vlrl.rollout.vllm_engine import model_family
 from vlrl.rollout.weight_sync import (
     bucketize,
     checkpoint_name,
@@ -27,7 +27,7 @@ def test_state_dict_names_map_to_checkpoint_names(tiny_model, arch):
     model = load_hf_model(path)
     with safe_open(f"{path}/model.safetensors", framework="pt") as f:
         on_disk = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
-    family = model_family(model.config)
+    family = family_of(model.config)
     mapped = {
         checkpoint_name(n, family): checkpoint_tensor(n, t, family) for n, t in model.state_dict().items()
     }
@@ -39,27 +39,28 @@ def test_state_dict_names_map_to_checkpoint_names(tiny_model, arch):
 def test_moe_experts_travel_in_checkpoint_layout():
     experts = torch.arange(24.0).reshape(2, 3, 4)  # [E, 2I, H]
     name = "model.language_model.layers.1._checkpoint_wrapped_module.mlp.experts.gate_up_proj"
-    assert checkpoint_tensor(name, experts, "qwen3_vl_moe").shape == (2, 4, 3)
-    assert checkpoint_tensor(name, experts, "qwen3_vl") is experts
+    assert checkpoint_tensor(name, experts, FAMILIES["qwen3_vl_moe"]).shape == (2, 4, 3)
+    assert checkpoint_tensor(name, experts, FAMILIES["qwen3_vl"]) is experts
     router = torch.ones(4, 8)
     assert (
-        checkpoint_tensor("model.language_model.layers.0.mlp.gate.weight", router, "qwen3_vl_moe") is router
+        checkpoint_tensor("model.language_model.layers.0.mlp.gate.weight", router, FAMILIES["qwen3_vl_moe"])
+        is router
     )
 
 
 def test_wrapper_prefixes_are_dropped():
     name = "model.language_model.layers.0._checkpoint_wrapped_module.mlp._orig_mod.up_proj.weight"
-    assert checkpoint_name(name, "qwen2_5_vl") == "model.layers.0.mlp.up_proj.weight"
+    assert checkpoint_name(name, FAMILIES["qwen2_5_vl"]) == "model.layers.0.mlp.up_proj.weight"
     assert (
-        checkpoint_name("model.visual.blocks.0.attn.qkv.weight", "qwen2_vl")
+        checkpoint_name("model.visual.blocks.0.attn.qkv.weight", FAMILIES["qwen2_vl"])
         == "visual.blocks.0.attn.qkv.weight"
     )
     assert (
-        checkpoint_name("model.visual.blocks.0.attn.qkv.weight", "qwen3_vl")
+        checkpoint_name("model.visual.blocks.0.attn.qkv.weight", FAMILIES["qwen3_vl"])
         == "model.visual.blocks.0.attn.qkv.weight"
     )
-    with pytest.raises(ValueError, match="no weight-name mapping"):
-        checkpoint_name("x", "llama4")
+    with pytest.raises(ValueError, match="no family record"):
+        family_of({"model_type": "llama4", "vision_config": {}})
 
 
 def test_buckets_respect_the_limit_and_convert_dtype():

@@ -293,8 +293,10 @@ def vision_varlen_attention_forward(
 
 def set_vision_attention(model: torch.nn.Module) -> None:
     """Put the vision tower (if any) on `vision_varlen_attention_forward` (see there for why)."""
+    from vlrl.models.families import family_of
+
     vision = getattr(model.config, "vision_config", None)
-    if vision is None:
+    if vision is None or not family_of(model.config).varlen_vision_attention:
         return
     from transformers import AttentionInterface
 

@@ -64,16 +64,60 @@ def _text_config(hf_config: Any) -> Any:
     return getattr(hf_config, "text_config", None) or hf_config
 
 
-def decoder_matmul_params(hf_config: Any) -> int:
-    """Parameters the decoder multiplies each token by: layers' projections + MLP (for MoE layers
-    the router and top-k experts: active parameters), and the lm head."""
-    c = _text_config(hf_config)
-    h, heads = c.hidden_size, c.num_attention_heads
+def _layer_types(c: Any) -> list[str]:
+    """Each decoder layer's kind: "full_attention" (default), "sliding_attention" or "linear_attention"."""
+    return list(getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers)
+
+
+def _attention_params(c: Any, kind: str, gated_query: bool) -> int:
+    """Matmul parameters of one layer's token mixer. Softmax attention: q, k, v, o (q twice as wide
+    with an output gate). Gated-delta-rule linear attention (Qwen3.5): the q/k/v, z, b and a input
+    projections and the output projection."""
+    h = c.hidden_size
+    if kind == "linear_attention":
+        keys, values = (
+            c.linear_num_key_heads * c.linear_key_head_dim,
+            c.linear_num_value_heads * c.linear_value_head_dim,
+        )
+        return h * (2 * keys + values) + h * values + 2 * h * c.linear_num_value_heads + values * h
+    heads = c.num_attention_heads
     kv = getattr(c, "num_key_value_heads", None) or heads
     hd = getattr(c, "head_dim", None) or h // heads
-    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h  # q, k, v, o
+    return h * heads * hd * (2 if gated_query else 1) + 2 * h * kv * hd + heads * hd * h
+
+
+def decoder_matmul_params(hf_config: Any) -> int:
+    """Parameters the decoder multiplies each token by: layers' token mixers + MLP (for MoE layers
+    the router and top-k experts: active parameters), and the lm head."""
+    from vlrl.models.families import family_of
+
+    c = _text_config(hf_config)
+    gated = family_of(hf_config).attention_output_gate
+    attn = sum(_attention_params(c, kind, gated) for kind in _layer_types(c))
     mlp = sum(mlp_matmul_params(c, layer) for layer in range(c.num_hidden_layers))
-    return c.num_hidden_layers * attn + mlp + h * c.vocab_size
+    return attn + mlp + c.hidden_size * c.vocab_size
+
+
+def _mixing_flops(c: Any, seq_lengths: Sequence[int]) -> float:
+    """Forward FLOPs of the token mixing itself, beyond the projections. Softmax attention: QK^T and
+    AV, 2 matmuls x 2 FLOPs x heads x head_dim per (query, key) pair: L(L+1)/2 causal pairs, or
+    min(i + 1, window) keys per query for a sliding window. Linear attention: the state update and
+    read-out, ~4 x d_k x d_v per value head and token."""
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    window = getattr(c, "sliding_window", None)
+    total = 0.0
+    for kind in _layer_types(c):
+        if kind == "linear_attention":
+            per_token = 4.0 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+            total += per_token * sum(seq_lengths)
+            continue
+        if kind == "sliding_attention" and window:
+            w = int(window)
+            pairs = sum(min(n, w) * (min(n, w) + 1) / 2 + max(n - w, 0) * w for n in seq_lengths)
+        else:
+            pairs = sum(n * (n + 1) / 2 for n in seq_lengths)
+        total += 4.0 * c.num_attention_heads * hd * pairs
+    return total
 
 
 def forward_flops(hf_config: Any, seq_lengths: Sequence[int], head_tokens: int | None = None) -> float:
@@ -83,15 +127,11 @@ def forward_flops(hf_config: Any, seq_lengths: Sequence[int], head_tokens: int |
     (`logits_to_keep`, vlrl.models.packing), so the lm head (hidden x vocab per token: 1-2% of a 3B
     model's FLOPs, more with long image prompts) runs on the response tokens; None: every token."""
     c = _text_config(hf_config)
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     tokens = sum(seq_lengths)
     head = c.hidden_size * c.vocab_size
     body = decoder_matmul_params(hf_config) - head
     dense = 2.0 * (body * tokens + head * (tokens if head_tokens is None else head_tokens))
-    # QK^T and AV: 2 matmuls x 2 FLOPs x heads x head_dim per (query, key) pair; L(L+1)/2 causal pairs.
-    pairs = sum(n * (n + 1) / 2 for n in seq_lengths)
-    attention = 4.0 * c.num_hidden_layers * c.num_attention_heads * hd * pairs
-    return dense + attention
+    return dense + _mixing_flops(c, seq_lengths)
 
 
 def training_flops(hf_config: Any, seq_lengths: Sequence[int], head_tokens: int | None = None) -> float:

@@ -11,17 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "text")
-
-# model_type -> family; MoE variants share their dense sibling's vision scheme.
-_MODEL_TYPES = {
-    "qwen2_vl": "qwen2_vl",
-    "qwen2_5_vl": "qwen2_5_vl",
-    "qwen3_vl": "qwen3_vl",
-    "qwen3_vl_moe": "qwen3_vl",
-}
-# Processor class name prefix -> family (checked in this order: Qwen2_5 before Qwen2).
-_PROCESSOR_PREFIXES = (("Qwen3VL", "qwen3_vl"), ("Qwen2_5_VL", "qwen2_5_vl"), ("Qwen2VL", "qwen2_vl"))
+from vlrl.models.families import family_of, family_of_processor
 
 
 def resolve_chat_template(value: str | None) -> str | None:
@@ -68,11 +58,9 @@ def load_processor(path: str, override_chat_template: str | None = None) -> tupl
 
 
 def model_family(hf_config: Any) -> str:
-    """ "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "text" from a transformers config (or its dict)."""
-    model_type = (
-        hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", "")
-    )
-    return _MODEL_TYPES.get(model_type or "", "text")
+    """The family name of a transformers config (or its dict): "qwen2_5_vl", ..., "text"
+    (`vlrl.models.families`)."""
+    return family_of(hf_config).name
 
 
 def _config_value(hf_config: Any, name: str) -> Any:
@@ -95,9 +83,9 @@ def vision_token_ids(hf_config: Any) -> dict[str, int]:
 
 def mrope_kwargs(hf_config: Any) -> dict[str, Any]:
     """Keyword arguments of `vlrl.models.rope.mrope_position_ids` for this model config."""
-    family = model_family(hf_config)
-    if family == "text":
-        raise ValueError("mrope_kwargs needs a Qwen-VL config; text models use text_position_ids")
+    family = family_of(hf_config)
+    if not family.mrope:
+        raise ValueError(f"mrope_kwargs needs an mrope family's config; {family.name} uses 1-D positions")
     ids = vision_token_ids(hf_config)
     vision = hf_config.vision_config
     return {
@@ -106,7 +94,7 @@ def mrope_kwargs(hf_config: Any) -> dict[str, Any]:
         "vision_start_token_id": ids["vision_start_token_id"],
         "spatial_merge_size": int(vision.spatial_merge_size),
         "tokens_per_second": float(getattr(vision, "tokens_per_second", None) or 2.0),
-        "family": family,
+        "family": family.vision_scheme,
     }
 
 
@@ -114,7 +102,7 @@ def mrope_kwargs(hf_config: Any) -> dict[str, Any]:
 class VisionSpec:
     """What prompt preparation needs to know about a Qwen-VL processor."""
 
-    family: str  # qwen2_vl | qwen2_5_vl | qwen3_vl
+    family: str  # the vision scheme (`Family.vision_scheme`): qwen2_vl | qwen2_5_vl | qwen3_vl
     image_token: str  # "<|image_pad|>"
     image_token_id: int
     video_token_id: int
@@ -140,15 +128,6 @@ class VisionSpec:
         }
 
 
-def processor_family(processor: Any) -> str:
-    """Family of a multimodal processor, from its class name."""
-    name = type(processor).__name__
-    for prefix, family in _PROCESSOR_PREFIXES:
-        if name.startswith(prefix):
-            return family
-    raise ValueError(f"unsupported processor {name}: expected a Qwen2-VL, Qwen2.5-VL or Qwen3-VL processor")
-
-
 def vision_spec(processor: Any, hf_config: Any | None = None) -> VisionSpec:
     """`VisionSpec` of `processor`; ids and tokens_per_second from `hf_config` when given."""
     tokenizer = processor.tokenizer
@@ -160,15 +139,15 @@ def vision_spec(processor: Any, hf_config: Any | None = None) -> VisionSpec:
         "vision_start_token_id": tokenizer.convert_tokens_to_ids("<|vision_start|>"),
     }
     tokens_per_second = 2.0  # released Qwen2.5-VL checkpoints
-    family = processor_family(processor)
+    family = family_of_processor(processor).vision_scheme
     if hf_config is not None:
-        family = model_family(hf_config)
+        family = family_of(hf_config).vision_scheme
         config_ids = vision_token_ids(hf_config)
         ids = {name: config_ids[name] for name in ids}
         tokens_per_second = float(getattr(hf_config.vision_config, "tokens_per_second", None) or 2.0)
     image_processor = processor.image_processor
     return VisionSpec(
-        family=family,
+        family=str(family),
         image_token=image_token,
         patch_size=int(image_processor.patch_size),
         merge_size=int(image_processor.merge_size),

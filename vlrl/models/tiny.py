@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2", "qwen3")
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen2", "qwen3")
 TEXT_ARCHS = ("qwen2", "qwen3")
-VISION_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
+VISION_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+QWEN3_VL_PROCESSOR_ARCHS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")  # one processor, patch 16
 # Mixture-of-experts text decoder of the `qwen3_vl_moe` arch: every layer sparse, top-k routing.
 MOE_EXPERTS, MOE_TOP_K = 4, 2
 
@@ -169,8 +170,10 @@ def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]
         if arch == "qwen3":  # Qwen3 sets head_dim itself (and normalises q and k per head)
             text["head_dim"] = head_dim
         return AutoConfig.for_model(arch, **text, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    # mrope splits head_dim/2 rotary frequencies over (temporal, height, width).
-    half = head_dim // 2
+    # mrope splits the rotary frequencies (half the rotated dims) over (temporal, height, width).
+    # Qwen3.5 rotates a quarter of each head (`partial_rotary_factor`).
+    rotary = head_dim // 4 if arch == "qwen3_5" else head_dim
+    half = rotary // 2
     section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section}
     vision_ids = dict(
@@ -187,6 +190,17 @@ def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]
     elif arch == "qwen2_vl":
         vision = dict(depth=vd, embed_dim=vh, hidden_size=size.hidden, num_heads=vheads, mlp_ratio=2,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    elif arch == "qwen3_5":
+        # Linear-attention (gated delta rule) layers, then one full-attention layer, as in Qwen3.5's
+        # 3:1 pattern. vLLM 0.32's CPU gated-delta-rule kernel refuses a key head dim of 32
+        # ("Unexpected head dim size"); 64 runs (the real models use 128).
+        rope.update(mrope_interleaved=True, partial_rotary_factor=0.25)
+        text.update(head_dim=head_dim, linear_conv_kernel_dim=4, linear_key_head_dim=64,
+                    linear_value_head_dim=64, linear_num_key_heads=size.heads,
+                    linear_num_value_heads=2 * size.heads,
+                    layer_types=["linear_attention"] * (size.layers - 1) + ["full_attention"])  # fmt: skip
+        vision = dict(depth=vd, hidden_size=vh, intermediate_size=2 * vh, num_heads=vheads, out_hidden_size=size.hidden,
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=144)  # fmt: skip
     else:  # qwen3_vl, qwen3_vl_moe
         rope["mrope_interleaved"] = True
         text["head_dim"] = head_dim
@@ -212,7 +226,7 @@ def build_processor(arch: str, tokenizer, min_pixels: int, max_pixels: int):
     """Image + video processors and the multimodal processor for `arch`."""
     from transformers import AutoProcessor  # noqa: F401  (registers processor classes)
 
-    if arch in ("qwen3_vl", "qwen3_vl_moe"):
+    if arch in QWEN3_VL_PROCESSOR_ARCHS:
         from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
         patch, processor_cls, video_cls = 16, Qwen3VLProcessor, Qwen3VLVideoProcessor

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from vlrl.batch.rows import FinishedGroups, PromptBatch, RolloutBatch
+from vlrl.models.families import engine_errors, family_of
 from vlrl.models.moe import check_engine_config as check_moe_config
 from vlrl.rollout import vllm_hooks, vllm_settings
 from vlrl.rollout.base import (
@@ -46,13 +47,6 @@ logger = logging.getLogger(__name__)
 
 VLLM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                "fp32": "float32", "float32": "float32"}  # fmt: skip
-_FAMILIES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl",
-             "qwen3_vl_moe": "qwen3_vl_moe"}  # fmt: skip
-
-
-def model_family(hf_config: Any) -> str:
-    """qwen2_vl | qwen2_5_vl | qwen3_vl | qwen3_vl_moe | text: selects the weight mapping."""
-    return _FAMILIES.get(getattr(hf_config, "model_type", ""), "text")
 
 
 def tensor_parallel_errors(hf_config: Any, tp: int) -> list[str]:
@@ -290,7 +284,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.rollout_only = rollout_only
         self.rank, self.dp_rank = _dist_layout(config.tensor_parallel_size)
         self.hf_config = AutoConfig.from_pretrained(model_path)
-        self.family = model_family(self.hf_config)
+        self.family = family_of(self.hf_config)
         check_moe_config(self.hf_config)
         self.is_vision = getattr(self.hf_config, "vision_config", None) is not None
         self.limit_images = resolve_limit_images(config, limit_images) if self.is_vision else 0
@@ -351,6 +345,7 @@ class VLLMRolloutEngine(RolloutEngine):
             errors.append(f"max_model_len={self.max_model_len} > the model's max_position_embeddings={limit}")
         errors += [f"worker.rollout.tensor_parallel_size={c.tensor_parallel_size} does not divide the model's {dim}"
                    for dim in tensor_parallel_errors(self.hf_config, c.tensor_parallel_size)]  # fmt: skip
+        errors += engine_errors(self.family, c, self.on_gpu)
         if c.dtype not in VLLM_DTYPES:
             errors.append(f"worker.rollout.dtype={c.dtype!r} is unknown; choose one of {sorted(VLLM_DTYPES)}")
         if errors:
@@ -676,7 +671,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if missing:
             raise RuntimeError(
                 f"weight load left {len(missing)} of {len(expected)} vLLM parameters unset, e.g. {missing[:4]}: "
-                f"the names given do not cover the {self.family} model (see vlrl.rollout.weight_sync)"
+                f"the names given do not cover the {self.family.name} model (see vlrl.rollout.weight_sync)"
             )
         # Cached KV blocks and vision embeddings (scheduler bookkeeping and storage) are stale now;
         # inside a generation the embeddings stay (`load_weights_in_flight`).

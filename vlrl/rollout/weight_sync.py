@@ -10,7 +10,7 @@
 2. Map transformers-5 runtime names to checkpoint names (`checkpoint_name`): wrapper prefixes
    (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`, `_orig_mod.`) are dropped, and Qwen2-VL /
    Qwen2.5-VL's `model.language_model.` / `model.visual.` become the `model.` / `visual.` of their
-   checkpoints. Engines load checkpoints, so checkpoint names are what every loader understands.
+   checkpoints (each family's prefixes: `vlrl.models.families`). Engines load checkpoints, so checkpoint names are what every loader understands.
    Tensors keep their layout except Qwen3-VL-MoE's fused experts (`checkpoint_tensor`): transformers
    5 holds them as the transpose of Qwen's checkpoints, and vLLM reads the checkpoint layout.
 3. Convert to the engine's dtype and group into buckets of at most `bucket_mb` (a tensor larger
@@ -27,37 +27,27 @@ from typing import Any
 
 import torch
 
+from vlrl.models.families import Family
 from vlrl.models.moe import checkpoint_layout
 
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-# transformers-5 runtime prefix -> checkpoint prefix, per model family (first match wins).
-_CHECKPOINT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
-    "qwen2_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
-    "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
-    "qwen3_vl": (),  # its checkpoints already use the runtime names
-    "qwen3_vl_moe": (),
-    "text": (),
-}
 
 
-def checkpoint_name(name: str, family: str) -> str:
-    """The checkpoint name of a state_dict key of the actor (any wrappers removed)."""
+def checkpoint_name(name: str, family: Family) -> str:
+    """The checkpoint name of a state_dict key of the actor (any wrappers removed; the family's
+    runtime -> checkpoint prefixes applied)."""
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
-    if family not in _CHECKPOINT_PREFIXES:
-        raise ValueError(
-            f"no weight-name mapping for model family {family!r}; known: {sorted(_CHECKPOINT_PREFIXES)}"
-        )
-    for old, new in _CHECKPOINT_PREFIXES[family]:
+    for old, new in family.checkpoint_prefixes:
         if name.startswith(old):
             return new + name[len(old) :]
     return name
 
 
-def checkpoint_tensor(name: str, tensor: torch.Tensor, family: str) -> torch.Tensor:
+def checkpoint_tensor(name: str, tensor: torch.Tensor, family: Family) -> torch.Tensor:
     """`tensor` (actor state_dict key `name`) in its checkpoint layout: a transposed view for
-    Qwen3-VL-MoE's fused experts (`vlrl.models.moe`; bucketize makes it contiguous), else itself."""
-    return checkpoint_layout(name, tensor) if family == "qwen3_vl_moe" else tensor
+    fused experts stored transposed (`vlrl.models.moe`; bucketize makes it contiguous), else itself."""
+    return checkpoint_layout(name, tensor) if family.transposed_experts else tensor
 
 
 def runtime_name(name: str) -> str:

@@ -27,6 +27,7 @@ class TrainingData:
             model.tokenizer_path or model.model_path, config.data.override_chat_template
         )
         hf_config = AutoConfig.from_pretrained(model.model_path, trust_remote_code=model.trust_remote_code)
+        _check_family(hf_config, config)
         self.tool_schemas = _tool_schemas(config.worker.rollout.multi_turn)
         self.train_loader, self.val_loader = create_dataloaders(
             config.data, self.tokenizer, self.processor, hf_config, tools=self.tool_schemas,
@@ -116,6 +117,19 @@ class _SourceMetrics:
                 out[f"source/{name}/accuracy"] = sum(parts[i]["accuracy"] for i in rows) / len(rows)
             out[f"source/{name}/response_length"] = float(lengths[rows].mean())
         return out
+
+
+def _check_family(hf_config: Any, config: PPOConfig) -> None:
+    """Refuse, before the data loads and the ranks start, a model whose family has no record, has
+    not passed every conformance gate, or cannot do what the config asks (`vlrl.models.families`)."""
+    from vlrl.models.families import family_errors, family_of
+
+    try:
+        errors = family_errors(family_of(hf_config), config)
+    except ValueError as err:
+        errors = [str(err)]
+    if errors:
+        raise ConfigError("the model does not fit vlrl or the config:\n  - " + "\n  - ".join(errors))
 
 
 def source_names(entries: list[str]) -> list[str]:

