@@ -13,7 +13,7 @@ from vlrl.models.families import FAMILIES, GATES, family_errors, family_of
 from vlrl.models.families.qwen import QWEN3_5
 
 # One tiny arch per family (qwen3 is another `text` model: qwen2 gates the family).
-GATED_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen2")
+GATED_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "internvl", "qwen2")
 
 
 def test_every_family_with_a_tiny_builder_is_gated_here():
@@ -74,6 +74,18 @@ def test_start_up_names_the_gate_a_family_has_not_passed():
     config.worker.rollout.enable_chunked_prefill, config.worker.rollout.dtype = True, "bf16"
     (error,) = family_errors(ungated, config)
     assert "'weight_sync'" in error and "vlrl.tools.family_check --arch qwen3_5" in error
+
+
+def test_processor_families_refuse_what_follows_the_qwen_layout():
+    from vlrl.models.families.internvl import INTERNVL
+
+    config = _config(ulysses_size=2)
+    config.worker.rollout.multi_turn.enable = True
+    errors = " ".join(family_errors(INTERNVL, config))
+    assert "ulysses_size=2" in errors and "multi_turn" in errors
+    config = _config()
+    config.worker.rollout.name = "hf"
+    assert any("worker.rollout.name=hf" in e for e in family_errors(INTERNVL, config))
 
 
 def test_a_vision_model_without_a_record_is_refused():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlrl.models.tiny import ARCHS, SPECIAL_TOKENS, VISION_ARCHS, build_tiny_model
+from vlrl.models.tiny import ARCHS, INTERNVL_TOKENS_PER_TILE, SPECIAL_TOKENS, VISION_ARCHS, build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +45,13 @@ def test_transformers_round_trip(tiny_dirs: dict[str, Path], arch: str) -> None:
     assert all(tokenizer.convert_tokens_to_ids(t) != tokenizer.unk_token_id for t in SPECIAL_TOKENS)
     cls = AutoModelForImageTextToText if arch in VISION_ARCHS else AutoModelForCausalLM
     model = cls.from_pretrained(path).eval()
-    if arch in VISION_ARCHS:
+    n_pad = (enc["input_ids"] == getattr(model.config, "image_token_id", -1)).sum().item()
+    if arch == "internvl":
+        # 56x84 -> 2 tiles of 56 plus a thumbnail (crop to patches), 4 context tokens each
+        assert enc["pixel_values"].shape[0] == 3 and n_pad == 3 * INTERNVL_TOKENS_PER_TILE
+    elif arch in VISION_ARCHS:
         # a 56x84 image = 4x6 patches of 14 (or 16 -> resized), merged 2x2: the pads match the grid
         grid = enc["image_grid_thw"][0]
-        n_pad = (enc["input_ids"] == model.config.image_token_id).sum().item()
         assert n_pad == int(grid.prod()) // 4
     logits = model(**enc).logits
     assert logits.shape == (1, enc["input_ids"].shape[1], len(tokenizer))

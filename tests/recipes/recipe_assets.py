@@ -51,6 +51,7 @@ MODELS = {
     "Qwen/Qwen3-VL-4B-Instruct": "qwen3_vl",
     "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_moe",
     "Qwen/Qwen3.5-27B": "qwen3_5",
+    "OpenGVLab/InternVL3-8B-hf": "internvl",
 }
 # Answers the warm-up teaches; the datasets hold these and math-style ones it never gives
 ANSWERS = ("1", "2")

@@ -29,6 +29,7 @@ from vlrl.data.prompts import (
     expand_video_tokens,
 )
 from vlrl.data.video import Video, frame_size_rule, load_video
+from vlrl.models.families import TEXT, Family, family_of, family_of_processor
 from vlrl.models.processor import VisionSpec, vision_spec
 from vlrl.models.rope import mrope_position_ids, text_position_ids
 
@@ -64,6 +65,12 @@ def _verified(cell: Any, image_dir: str, known_good: Container[str]) -> bool:
     return key is not None and key in known_good
 
 
+def _family(processor: Any | None, hf_config: Any | None) -> Family:
+    if hf_config is not None:
+        return family_of(hf_config)
+    return family_of_processor(processor) if processor is not None else TEXT
+
+
 class RowPreparer:
     """Everything needed to turn rows into prompts: keys, templates, tokenizer, processor, pixel bounds."""
 
@@ -80,6 +87,7 @@ class RowPreparer:
         self.processor = processor
         self.format = FormatPrompt(config.format_prompt) if config.format_prompt else None
         self.chat = ChatFormatter(tokenizer, processor, config.override_chat_template, tools)
+        self.family: Family = _family(processor, hf_config)
         self.spec: VisionSpec | None = vision_spec(processor, hf_config) if processor is not None else None
         self._pixel_bounds(config)  # data.min_pixels/max_pixels checked against one block (raises)
         # the processor's own bounds: its resize runs after the data bounds' rescale
@@ -95,10 +103,18 @@ class RowPreparer:
             raise RuntimeError("this model has no vision tower: rows with images cannot be prepared")
         return self.spec
 
+    @property
+    def expands_by_processor(self) -> bool:
+        """The family's images are expanded by its HF processor (`Family.image_expansion`)."""
+        return self.family.image_expansion == "processor"
+
     def _pixel_bounds(self, config: Any) -> tuple[int, int]:
-        """Config bounds; None falls back to the image processor's own."""
+        """Config bounds; None falls back to the image processor's own (a tiling or fixed-size
+        processor has none: only the config's bound the images, 0 and no limit by default)."""
         if self.processor is None:
             return 0, 0
+        if self.expands_by_processor:
+            return int(config.min_pixels or 0), int(config.max_pixels or 1 << 62)
         size = getattr(self.processor.image_processor, "size", None) or {}
         low = config.min_pixels if config.min_pixels is not None else size.get("shortest_edge")
         high = config.max_pixels if config.max_pixels is not None else size.get("longest_edge")
@@ -136,6 +152,12 @@ class RowPreparer:
         if videos and self.processor is None:
             raise RowProblem(
                 f"has {len(videos)} video(s) but the model is text-only (no video processor)", "text_model"
+            )
+        if videos and self.expands_by_processor:
+            raise RowProblem(
+                f"has {len(videos)} video(s): videos are supported for the Qwen-VL families only, not "
+                f"{self.family.name!r}",
+                "video_family",
             )
         if n_image_markers != len(images):
             raise RowProblem(
@@ -241,10 +263,17 @@ class RowPreparer:
         multiples of the block size within its own bounds. (A 180x240 image at min_pixels=262144
         becomes 443x591, then 448x588; rounding straight to the bounds would give 448x616.)"""
         height, width = scale_into_bounds(height, width, self.config.min_pixels, self.config.max_pixels)
+        if self.expands_by_processor:  # the processor resizes (tiles) itself
+            return height, width
         return smart_resize(height, width, self.vision.factor, *self.processor_bounds)
 
     def tokens_per_image(self, sizes: list[tuple[int, int]]) -> list[int]:
-        """LLM tokens per image: (h / factor) * (w / factor) after the 2x2 merge."""
+        """LLM tokens per image: (h / factor) * (w / factor) after the 2x2 merge; for a family the
+        processor expands, its own count from the size alone (brackets included)."""
+        if self.expands_by_processor:
+            assert self.processor is not None  # only a vision family expands by its processor
+            counts = self.processor._get_num_multimodal_tokens(image_sizes=[list(s) for s in sizes])
+            return [int(n) for n in counts["num_image_tokens"]]
         return [(h // self.vision.factor) * (w // self.vision.factor) for h, w in sizes]
 
     def grid_thw(self, sizes: list[tuple[int, int]]) -> torch.Tensor:
@@ -273,11 +302,11 @@ class RowPreparer:
             for cell in cells
         ]
         sizes = [(image.height, image.width) for image in images]
-        grid = self.grid_thw(sizes) if images else None  # [n_img, 3]
+        grid = self.grid_thw(sizes) if images and not self.expands_by_processor else None  # [n_img, 3]
         videos = self.load_videos(self.video_cells(row), image_dir)
         video_grid = self.video_grid_thw(videos) if videos else None  # [n_vid, 3]
         input_ids = self._expand(prompt, raw_ids, images, sizes, grid, videos, use_processor)
-        if self.spec is None:
+        if self.spec is None or not self.family.mrope:
             position_ids = text_position_ids(len(input_ids))
         else:
             seconds = self.second_per_grid_ts(videos) if videos else None
@@ -303,6 +332,12 @@ class RowPreparer:
         """[L] expanded ids: by the processor (reference path) or from the predicted grids (fast path)."""
         if not images and not videos:
             return torch.tensor(raw_ids, dtype=torch.long)
+        if self.expands_by_processor:  # no fast rule: the processor tiles and expands
+            assert self.processor is not None
+            out = self.processor(
+                text=[prompt], images=[decoded(image) for image in images], return_tensors="pt"
+            )
+            return out["input_ids"][0].long()
         if not use_processor:
             ids = raw_ids
             if videos:

@@ -228,9 +228,11 @@ def batch_vision_grids(
     `collate_shared`, vlrl.models.shared_images). Items need `.size` (width, height); videos also
     `.frames`. A group split over micro-batches is encoded once per micro-batch: that extra work
     is not counted (model FLOPs)."""
+    from vlrl.models.families import family_of
+
     vc = getattr(hf_config, "vision_config", None)
-    if vc is None:
-        return []
+    if vc is None or family_of(hf_config).vision_scheme is None:
+        return []  # no vision tower, or no patch-grid rule for it (InternVL): the decoder's FLOPs only
     grids: list[Grid] = []
     for per_sample, is_video in ((images, False), (videos or [], True)):
         seen: set[tuple[int, ...]] = set()

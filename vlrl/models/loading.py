@@ -14,6 +14,7 @@ import torch
 
 from vlrl.config.checks import gradient_checkpointing_interval
 from vlrl.models.attention import VARLEN_ATTENTION, set_text_attention, set_vision_attention
+from vlrl.models.families import family_of
 from vlrl.models.shared_images import share_image_features
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ def load_model(
             trust_remote_code=trust_remote_code,
         )
     model.config.use_cache = False
-    if is_vision_model(config):
+    if family_of(config).shared_image_encoding and is_vision_model(config):
         share_image_features(model)  # accepts vlrl_image_index: one encoding per distinct image
         set_vision_attention(model)  # all windows of a block in one varlen kernel call on GPU
     if padding_free:

@@ -129,7 +129,31 @@ class VisionSpec:
 
 
 def vision_spec(processor: Any, hf_config: Any | None = None) -> VisionSpec:
-    """`VisionSpec` of `processor`; ids and tokens_per_second from `hf_config` when given."""
+    """`VisionSpec` of `processor`; ids and tokens_per_second from `hf_config` when given. A family
+    whose processor expands its images (`Family.image_expansion`) has no patch rule: factor 1."""
+    family_record = family_of(hf_config) if hf_config is not None else family_of_processor(processor)
+    if family_record.image_expansion == "processor":
+        return _processor_spec(processor, family_record.name)
+    return _qwen_spec(processor, hf_config)
+
+
+def _processor_spec(processor: Any, name: str) -> VisionSpec:
+    tokenizer = processor.tokenizer
+    image_token = processor.image_token
+    video_token = getattr(processor, "video_token", None)
+    video_id = tokenizer.convert_tokens_to_ids(video_token) if video_token else None
+    return VisionSpec(
+        family=name,
+        image_token=image_token,
+        image_token_id=int(tokenizer.convert_tokens_to_ids(image_token)),
+        video_token_id=int(video_id) if video_id is not None else -1,
+        vision_start_token_id=-1,
+        patch_size=1,
+        merge_size=1,
+    )
+
+
+def _qwen_spec(processor: Any, hf_config: Any | None) -> VisionSpec:
     tokenizer = processor.tokenizer
     image_token = getattr(processor, "image_token", "<|image_pad|>")
     video_token = getattr(processor, "video_token", "<|video_pad|>")

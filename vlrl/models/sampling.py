@@ -51,7 +51,12 @@ def banned_token_ids(tokenizer: Any, hf_config: Any | None = None) -> list[int]:
             ids.add(int(value))
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    ids.update(int(vocab[token]) for token in VISION_TOKENS if token in vocab)
+    names: tuple[str, ...] = VISION_TOKENS
+    if hf_config is not None:
+        from vlrl.models.families import family_of
+
+        names += family_of(hf_config).banned_tokens
+    ids.update(int(vocab[token]) for token in names if token in vocab)
     return sorted(ids)
 
 

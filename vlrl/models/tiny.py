@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen2", "qwen3")
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "internvl", "qwen2", "qwen3")
 TEXT_ARCHS = ("qwen2", "qwen3")
-VISION_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+VISION_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "internvl")
 QWEN3_VL_PROCESSOR_ARCHS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")  # one processor, patch 16
 # Mixture-of-experts text decoder of the `qwen3_vl_moe` arch: every layer sparse, top-k routing.
 MOE_EXPERTS, MOE_TOP_K = 4, 2
@@ -37,6 +37,11 @@ SPECIAL_TOKENS = (
     "<|image_pad|>",
     "<|video_pad|>",
 )
+
+# InternVL's image brackets and placeholder, named for its processor (`extra_special_tokens`).
+INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
+                   "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}  # fmt: skip
+INTERNVL_TILE, INTERNVL_TOKENS_PER_TILE = 56, 4  # 4x4 patches of 14, pixel-shuffled 2x2 -> 4 tokens
 
 # Our own chat template (Qwen-style turns). Message content is a string or a list of parts
 # {"type": "text", "text": ...} / {"type": "image"} / {"type": "video"}. Unlike Qwen's, it adds no
@@ -110,10 +115,21 @@ TOOL_TOKENS = ("<tool_call>", "</tool_call>")
 REASONING_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
-def build_tokenizer(vocab_size: int, tool_tokens: bool = False, reasoning_tokens: bool = False):
+def chat_template(arch: str) -> str:
+    """`CHAT_TEMPLATE` with the arch's image and video placeholders."""
+    if arch != "internvl":
+        return CHAT_TEMPLATE
+    return CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>").replace(
+        "<|vision_start|><|video_pad|><|vision_end|>", "<video>"
+    )
+
+
+def build_tokenizer(
+    vocab_size: int, tool_tokens: bool = False, reasoning_tokens: bool = False, arch: str = "qwen2_5_vl"
+):
     """A byte-level BPE trained on `_corpus()`, with the Qwen special tokens appended (then, with
     `tool_tokens` / `reasoning_tokens`, the tool-call markers / reasoning tags as more tokens: the
-    trained vocabulary is unchanged)."""
+    trained vocabulary is unchanged; for InternVL, its image tokens last)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -131,20 +147,22 @@ def build_tokenizer(vocab_size: int, tool_tokens: bool = False, reasoning_tokens
         tok.add_tokens(list(TOOL_TOKENS))
     if reasoning_tokens:
         tok.add_tokens(list(REASONING_TOKENS))
+    extra = INTERNVL_TOKENS if arch == "internvl" else {}
+    tok.add_special_tokens(list(extra.values()))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token=None,
         model_max_length=32768,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template(arch),
+        **({"extra_special_tokens": extra} if extra else {}),
     )
     return fast
 
 
 def _token_ids(tokenizer) -> dict[str, int]:
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    return ids
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in (*SPECIAL_TOKENS, *INTERNVL_TOKENS.values())}
 
 
 def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]):
@@ -170,6 +188,13 @@ def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]
         if arch == "qwen3":  # Qwen3 sets head_dim itself (and normalises q and k per head)
             text["head_dim"] = head_dim
         return AutoConfig.for_model(arch, **text, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if arch == "internvl":  # InternViT + pixel-shuffle projector + a Qwen2 text model
+        text.update(model_type="qwen2", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        vision = dict(hidden_size=size.vision_hidden // 2, num_hidden_layers=size.vision_depth, num_attention_heads=2,
+                      intermediate_size=size.vision_hidden, image_size=[INTERNVL_TILE] * 2, patch_size=[14, 14])  # fmt: skip
+        return AutoConfig.for_model(arch, text_config=text, vision_config=vision, image_token_id=ids["<IMG_CONTEXT>"],
+                                    image_seq_length=INTERNVL_TOKENS_PER_TILE, downsample_ratio=0.5,
+                                    tie_word_embeddings=False)  # fmt: skip
     # mrope splits the rotary frequencies (half the rotated dims) over (temporal, height, width).
     # Qwen3.5 rotates a quarter of each head (`partial_rotary_factor`).
     rotary = head_dim // 4 if arch == "qwen3_5" else head_dim
@@ -226,6 +251,14 @@ def build_processor(arch: str, tokenizer, min_pixels: int, max_pixels: int):
     """Image + video processors and the multimodal processor for `arch`."""
     from transformers import AutoProcessor  # noqa: F401  (registers processor classes)
 
+    if arch == "internvl":  # tiles of INTERNVL_TILE pixels: up to 4 plus a thumbnail
+        from transformers import GotOcr2ImageProcessor, InternVLProcessor, InternVLVideoProcessor
+
+        tile = {"height": INTERNVL_TILE, "width": INTERNVL_TILE}
+        image = GotOcr2ImageProcessor(size=tile, crop_to_patches=True, min_patches=1, max_patches=4)
+        return InternVLProcessor(image_processor=image, tokenizer=tokenizer, video_processor=InternVLVideoProcessor(size=tile),
+                                 image_seq_length=INTERNVL_TOKENS_PER_TILE, chat_template=chat_template(arch))  # fmt: skip
+
     if arch in QWEN3_VL_PROCESSOR_ARCHS:
         from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
@@ -273,7 +306,7 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dims = SIZES[size]
-    tokenizer = build_tokenizer(dims.vocab, tool_tokens, reasoning_tokens)
+    tokenizer = build_tokenizer(dims.vocab, tool_tokens, reasoning_tokens, arch)
     ids = _token_ids(tokenizer)
     config = build_config(arch, dims, len(tokenizer), ids)
     torch.manual_seed(seed)

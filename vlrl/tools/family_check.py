@@ -243,8 +243,10 @@ class FamilyCheck:
         shared_gap = self._shared_images_gap(model, batch) if self.family.vision else 0.0
         passed = gap <= 1e-5 and grad_gap <= 1e-4 and shared_gap <= 1e-5
         detail = f"{what}: log-prob max gap {gap:.1e} (<= 1e-5), relative grad gap {grad_gap:.1e} (<= 1e-4)"
-        if self.family.vision:
+        if self.family.vision and self.family.shared_image_encoding:
             detail += f"; shared vs per-copy image encoding {shared_gap:.1e} (<= 1e-5)"
+        elif self.family.vision:
+            detail += "; each copy of an image encoded (no shared encoding for this family)"
         if self.family.packing == "padded":
             packed, _ = self._log_probs_and_grads(model, batch, padding_free=True)
             detail += f"; packed rows (refused for this family) differ by {(packed - a)[mask].abs().max().item():.1e}"

@@ -112,7 +112,9 @@ class ShardedModel:
                 vision_cache
                 if vision_cache is not None
                 else VisionCache(
-                    processor.image_processor, video_processor=getattr(processor, "video_processor", None)
+                    processor.image_processor,
+                    video_processor=getattr(processor, "video_processor", None),
+                    family=self.family,
                 )
             )
         self.owns_vision_cache = vision_cache is None
@@ -121,6 +123,7 @@ class ShardedModel:
             {
                 (i, v): dummy_image_anchor(self.hf_config, self.family.mrope, self.device, image=i, video=v)
                 for i, v in ((True, False), (False, True), (True, True))
+                if i or self.family.dummy_image is None  # a family's own dummy holds images only
             }
             if self.is_vlm
             else {}
@@ -271,7 +274,10 @@ class ShardedModel:
         videos = None
         if self.vision is not None:
             # the vision tower encodes each distinct image / video once (vlrl.models.shared_images)
-            pv, grid, index = self.vision.collate_shared(mb.images)
+            if self.family.shared_image_encoding:
+                pv, grid, index = self.vision.collate_shared(mb.images)
+            else:
+                (pv, grid), index = self.vision.collate(mb.images), None
             # non-blocking: a blocking host-to-GPU copy waits for the queued kernels
             pv, grid = (
                 (pv.to(dev, non_blocking=True), grid.to(dev, non_blocking=True))
@@ -308,6 +314,8 @@ class ShardedModel:
             )
         else:
             inputs = build_padded_inputs(*args, **kwargs)
+        if not self.family.rows_are_model_input:  # per-image rows: bookkeeping, not a model input
+            inputs.model_kwargs.pop("image_grid_thw", None)
         return forward_log_probs(
             self.module,
             inputs,

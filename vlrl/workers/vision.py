@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from vlrl.data.encoded_images import decoded
+from vlrl.models.families import Family, family_of
 from vlrl.models.packing import Anchor
 
 SampleVision = tuple[Tensor, Tensor]  # pixel_values [patches, D], image_grid_thw [images, 3]
@@ -37,9 +38,14 @@ class VisionCache:
     """
 
     def __init__(
-        self, image_processor: Any, max_bytes: int = 4 << 30, video_processor: Any | None = None
+        self,
+        image_processor: Any,
+        max_bytes: int = 4 << 30,
+        video_processor: Any | None = None,
+        family: Family | None = None,
     ) -> None:
         self.image_processor = image_processor
+        self.family = family  # None: a Qwen-VL family (patch grids, sides multiples of the block)
         self.video_processor = video_processor
         self.max_bytes = max_bytes
         self.bytes = 0
@@ -58,9 +64,17 @@ class VisionCache:
         return int(getattr(ip, "patch_size", 14)) * int(getattr(ip, "merge_size", 2))
 
     def sample(self, images: Sequence[Any]) -> SampleVision | None:
-        """pixel_values and grid of one sample's images, or None when it has none."""
+        """pixel_values and grid of one sample's images, or None when it has none. The "grid" of a
+        family that is not Qwen's is its rows of pixel_values per image ([n_img, 1]: InternVL's tiles)."""
         if not images:
             return None
+        if self.family is not None and self.family.image_expansion == "processor":
+            return self._cached(
+                ("image", *(id(img) for img in images)),
+                images,
+                lambda: self._rows(images),
+                ("pixel_values", "rows"),
+            )
         factor = self._factor()
         conform = all(img.size[0] % factor == 0 and img.size[1] % factor == 0 for img in images)
         return self._cached(
@@ -71,6 +85,13 @@ class VisionCache:
             ),
             ("pixel_values", "image_grid_thw"),
         )
+
+    def _rows(self, images: Sequence[Any]) -> dict[str, Tensor]:
+        """The image processor's pixel_values and, as [n_img, 1], its per-image row count."""
+        assert self.family is not None
+        out = self.image_processor(images=[decoded(img) for img in images], return_tensors="pt")
+        rows = torch.as_tensor(out[self.family.image_rows], dtype=torch.long).reshape(-1, 1)
+        return {"pixel_values": out["pixel_values"], "rows": rows}
 
     def sample_videos(self, videos: Sequence[Any]) -> SampleVision | None:
         """pixel_values_videos [patches, D] and video_grid_thw [n_vid, 3] of one sample's videos
@@ -168,7 +189,17 @@ def dummy_image_anchor(
     hf_config: Any, mrope: bool, device: torch.device | str, image: bool = True, video: bool = False
 ) -> Anchor:
     """A dummy 1x2x2-patch black image (one merged token) and/or a dummy 2-frame 2x2 video (one
-    token), as one separate packed sequence: [image token][video token]."""
+    token), as one separate packed sequence: [image token][video token]; a family with its own
+    dummy image (`Family.dummy_image`: images only) gets that one."""
+    dummy = family_of(hf_config).dummy_image
+    if dummy is not None:
+        pixels, rows, ids = dummy(hf_config, device)
+        tokens = torch.tensor(ids, device=device)
+        anchor = Anchor(
+            tokens, torch.zeros((3, len(ids)) if mrope else (len(ids),), dtype=torch.long, device=device)
+        )
+        anchor.pixel_values, anchor.image_grid_thw = pixels, rows
+        return anchor
     vc = hf_config.vision_config
     channels = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3)))
     patch, temporal = int(vc.patch_size), int(getattr(vc, "temporal_patch_size", 2))

@@ -12,8 +12,15 @@ passes; then list the gates in the record. docs/models.md walks through it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+
+# (pixel_values, grid, token ids) of a dummy image in the family's layout: what a micro-batch
+# without images runs through the vision tower so that every rank joins its FSDP collectives.
+DummyImage = Callable[[Any, "torch.device | str"], tuple[torch.Tensor, torch.Tensor, list[int]]]
 
 # The conformance gates of `vlrl.tools.family_check`, in the order it runs them.
 GATES = {
@@ -59,6 +66,21 @@ class Family:
     attention_output_gate: bool = False
     # The vision tower takes `cu_seqlens` and may use vlrl's varlen attention (`vlrl.models.attention`).
     varlen_vision_attention: bool = False
+    # Prompt expansion of each image placeholder: "qwen_grid" (vlrl's fast rule from the image
+    # size: sides rounded to patch x merge, one token per merged patch; the data pipeline never
+    # decodes an image) or "processor" (the HF processor expands it on the driver: correct by
+    # construction; images keep their size within data.min_pixels/max_pixels).
+    image_expansion: str = "qwen_grid"
+    # Image processor output that counts each image's rows of `pixel_values` ("image_grid_thw":
+    # Qwen's patch grid; "num_patches": InternVL's tiles), and whether the model takes it as input.
+    image_rows: str = "image_grid_thw"
+    rows_are_model_input: bool = True
+    # Each distinct image of a micro-batch is encoded once (`vlrl.models.shared_images`).
+    shared_image_encoding: bool = True
+    # Tokens never sampled (placeholders and image brackets), beside the config's *_token_id.
+    banned_tokens: tuple[str, ...] = ()
+    # The dummy image of `DummyImage` (None: Qwen's one-merged-token image, `vlrl.workers.vision`).
+    dummy_image: DummyImage | None = None
     # The tiny random builder's arch name (`vlrl.models.tiny`); None: no tiny model, no gates.
     tiny_arch: str | None = None
     # The gates of `vlrl.tools.family_check` this family passes (checked in the test suite).
@@ -70,9 +92,10 @@ class Family:
 
 
 def _registry() -> dict[str, Family]:
+    from vlrl.models.families.internvl import INTERNVL
     from vlrl.models.families.qwen import QWEN_FAMILIES, TEXT
 
-    return {family.name: family for family in (*QWEN_FAMILIES, TEXT)}
+    return {family.name: family for family in (*QWEN_FAMILIES, INTERNVL, TEXT)}
 
 
 FAMILIES = _registry()
@@ -152,9 +175,22 @@ def family_errors(family: Family, config: Any) -> list[str]:
             f"({family.packing_note}); set worker.actor.padding_free=false (and leave "
             "worker.ref.padding_free unset or false)"
         )
+    if family.vision and family.image_expansion != "qwen_grid" and config.worker.actor.ulysses_size > 1:
+        errors.append(
+            f"worker.actor.ulysses_size={config.worker.actor.ulysses_size}: sequence parallelism splits "
+            f"image features by Qwen's layout; model family {family.name!r} trains with ulysses_size=1"
+        )
+    if family.vision and family.image_expansion != "qwen_grid" and config.worker.rollout.multi_turn.enable:
+        errors.append(
+            f"worker.rollout.multi_turn: tool images follow Qwen's expansion rule; model family "
+            f"{family.name!r} expands its images with its processor, which multi-turn rollouts do not call yet"
+        )
+    if family.vision and family.image_expansion != "qwen_grid" and config.worker.rollout.name == "hf":
+        errors.append(
+            f"worker.rollout.name=hf: the transformers engine builds Qwen-VL image inputs; model family "
+            f"{family.name!r} generates with worker.rollout.name=vllm"
+        )
     if config.worker.rollout.name == "vllm":
-        import torch
-
         on_gpu = config.trainer.device != "cpu" and torch.cuda.is_available()
         errors += engine_errors(family, config.worker.rollout, on_gpu)
     return errors
