@@ -83,6 +83,29 @@ def test_processor_families_refuse_what_follows_the_qwen_layout():
     assert any("worker.rollout.name=hf" in e for e in family_errors(INTERNVL, config))
 
 
+def test_lora_and_freezing_take_internvl_projector_with_the_tower(tmp_path):
+    """InternVL keeps its projector apart from the vision tower: LoRA must exclude it too (the lora
+    gate measures the adapters; this says where the rule comes from)."""
+    import re
+
+    from transformers import AutoModelForImageTextToText
+
+    from vlrl.config import LoraConfig
+    from vlrl.models.loading import vision_modules
+    from vlrl.models.lora import exclude_pattern
+    from vlrl.models.tiny import build_tiny_model
+
+    model = AutoModelForImageTextToText.from_pretrained(build_tiny_model(tmp_path / "m", "internvl"))
+    assert [name for name, _ in vision_modules(model)] == [
+        "model.vision_tower",
+        "model.multi_modal_projector",
+    ]
+    pattern = re.compile(exclude_pattern(model, LoraConfig(rank=4)) or "")
+    assert pattern.fullmatch("model.multi_modal_projector.linear_1")
+    assert pattern.fullmatch("model.vision_tower.encoder.layer.0.mlp.fc1")
+    assert not pattern.fullmatch("model.language_model.layers.0.mlp.up_proj")
+
+
 def test_a_vision_model_without_a_record_is_refused():
     with pytest.raises(ValueError, match="'gemma3' has no family record"):
         family_of({"model_type": "gemma3", "vision_config": {"model_type": "siglip_vision_model"}})

@@ -66,6 +66,21 @@ def model_class(hf_config: Any):
     return AutoModelForImageTextToText if is_vision_model(hf_config) else AutoModelForCausalLM
 
 
+def vision_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of the vision tower and, where the family keeps it apart, its projector:
+    what LoRA never adapts and `freeze_vision_tower` freezes. Empty for a text model."""
+    tower = vision_tower(model)
+    if tower is None:
+        return []
+    named = dict(model.named_modules())
+    found = [(next(n for n, m in named.items() if m is tower), tower)]
+    projector = family_of(model.config).projector
+    for name, module in named.items():
+        if projector is not None and (name == projector or name.endswith("." + projector)):
+            found.append((name, module))
+    return found
+
+
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     """The vision encoder (including its merger) of a Qwen-VL model, or None."""
     for path in ("model.visual", "visual", "model.vision_tower", "vision_tower"):
@@ -162,8 +177,9 @@ def load_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         select_checkpointed_layers(model, gradient_checkpointing_interval(checkpoint_layers))
     if freeze_vision:
-        tower = vision_tower(model)
-        if tower is None:
+        modules = vision_modules(model)
+        if not modules:
             raise ValueError("freeze_vision_tower=true but the model has no vision tower")
-        tower.requires_grad_(False)
+        for _, module in modules:
+            module.requires_grad_(False)
     return model

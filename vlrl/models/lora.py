@@ -46,15 +46,13 @@ def target_modules(cfg: LoraConfig) -> str | list[str]:
 
 
 def exclude_pattern(model: torch.nn.Module, cfg: LoraConfig) -> str | None:
-    """A regex (full match) over module names: the vision tower and `cfg.exclude_modules`."""
-    from vlrl.models.loading import vision_tower
+    """A regex (full match) over module names: the vision tower (and a projector kept apart from
+    it), and `cfg.exclude_modules`."""
+    from vlrl.models.loading import vision_modules
 
-    parts = []
-    tower = vision_tower(model)
-    if tower is not None:
-        name = next(n for n, m in model.named_modules() if m is tower)
-        parts.append(rf"{re.escape(name)}(\..*)?")
-    if cfg.exclude_modules and (tower is not None or _matches_a_module(model, cfg.exclude_modules)):
+    vision = vision_modules(model)
+    parts = [rf"{re.escape(name)}(\..*)?" for name, _ in vision]
+    if cfg.exclude_modules and (vision or _matches_a_module(model, cfg.exclude_modules)):
         # (EasyR1's config excludes `.*visual.*`, which a text model does not have: passing it on
         # would change nothing but a peft warning on every rank)
         parts.append(cfg.exclude_modules)

@@ -136,18 +136,23 @@ class FamilyCheck:
 
     def actor(self) -> Any:
         if self._actor is None:
-            from vlrl.config import PPOConfig
-            from vlrl.workers.from_config import build_actor
-
-            config = PPOConfig()
-            config.worker.actor.model.model_path = self.path
-            config.worker.actor.model.enable_gradient_checkpointing = False
-            config.worker.actor.padding_free = self.family.packing == "packed"
-            config.trainer.device = "cpu"
-            config.data.max_prompt_length, config.data.max_response_length = 512, RESPONSE_TOKENS
-            config.derive()
-            self._actor = build_actor(config, self.processor, "cpu", model_path=self.path)
+            self._actor = self.build_actor()
         return self._actor
+
+    def build_actor(self, lora_rank: int = 0) -> Any:
+        """An FSDP2 actor of the tiny model (fp32 on CPU; with LoRA adapters of `lora_rank`)."""
+        from vlrl.config import PPOConfig
+        from vlrl.workers.from_config import build_actor
+
+        config = PPOConfig()
+        model = config.worker.actor.model
+        model.model_path, model.enable_gradient_checkpointing = self.path, False
+        model.lora.rank, model.lora.alpha = lora_rank, 2 * lora_rank
+        config.worker.actor.padding_free = self.family.packing == "packed"
+        config.trainer.device = "cpu"
+        config.data.max_prompt_length, config.data.max_response_length = 512, RESPONSE_TOKENS
+        config.derive()
+        return build_actor(config, self.processor, "cpu", model_path=self.path)
 
     def rollout(self, seed: int = 5) -> Any:
         """The engine's rollout of the gate prompts (2 samples each, temperature 1)."""
@@ -322,8 +327,104 @@ class FamilyCheck:
                           f"every parameter perturbed and synced: gap to new weights mean {new_mean:.1e} max "
                           f"{new_max:.1e}; to the old weights mean {old_mean:.1e} (>= 5x)")  # fmt: skip
 
+    def lora(self) -> GateResult:
+        """No adapter on the vision tower or its projector; the engine, given the merged weights,
+        samples the LoRA actor's distribution (and not the base model's)."""
+        from vlrl.models.loading import vision_modules
+        from vlrl.rollout import sync_weights
+
+        vision = [name for name, _ in vision_modules(self.actor().model.module)]
+        lora_actor = self.build_actor(lora_rank=4)
+        module = lora_actor.model.module
+        adapted = [n for n, p in module.named_parameters() if "lora_" in n]
+        on_vision = [n for n in adapted if any(f"{v}." in n for v in vision)]
+        trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+        with torch.no_grad():  # lora_B starts at zero: give the adapters a visible effect
+            gen = torch.Generator().manual_seed(11)
+            for name, p in module.named_parameters():
+                if "lora_B" in name:
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    local.copy_(torch.randn(local.shape, generator=gen) * 0.5)
+        sync_weights(module, self.engine(), bucket_mb=1)
+        batch = self.rollout(seed=13)
+        mean, worst = self._gap(batch, lora_actor.compute_log_probs(batch))
+        base_mean, _ = self._gap(batch, self.actor().compute_log_probs(batch))
+        sync_weights(self.actor().model.module, self.engine(), bucket_mb=1)  # back to the plain weights
+        lo, hi = self.bounds
+        passed = (bool(adapted) and not on_vision and trainable == set(adapted) and mean <= lo and worst <= hi
+                  and base_mean >= 5 * max(mean, 1e-6))  # fmt: skip
+        detail = (f"{len(adapted)} adapter tensors, {len(on_vision)} on {vision or 'no vision tower'}; "
+                  f"merged sync vs LoRA actor: mean gap {mean:.1e} max {worst:.1e}; vs the base model {base_mean:.1e}")  # fmt: skip
+        return GateResult("lora", passed, detail)
+
+    def export(self) -> GateResult:
+        """Changed weights saved as a checkpoint reload into a new actor to identical log-probs, and
+        the merged export (`vlrl.tools.model_merger`) loads in transformers with the same log-probs."""
+        actor = self.actor()
+        module = actor.model.module
+        batch = self.rollout(seed=17)
+        before = {n: _full(p).detach().clone() for n, p in module.named_parameters()}
+        _perturb(module, seed=19)
+        try:
+            expected = actor.compute_log_probs(batch)
+            folder = Path(self.path).parent / "export"
+            actor.save_checkpoint(str(folder))
+            actor.model.hf_config.save_pretrained(folder / "hf_config")
+            actor.model.tokenizer_or_processor().save_pretrained(folder / "hf_config")
+            fresh = self.build_actor()
+            fresh.load_checkpoint(str(folder))
+            reloaded = (fresh.compute_log_probs(batch) - expected).abs().max().item()
+            from vlrl.tools.model_merger import merge
+
+            merged = self._transformers_log_probs(merge(str(folder)), batch)
+        finally:
+            with torch.no_grad():
+                for n, p in module.named_parameters():
+                    (p.to_local() if hasattr(p, "to_local") else p).copy_(_local(before[n], p))
+        mask = batch.response_mask.bool()
+        merged_gap = (merged - expected)[mask].abs().max().item()
+        passed = reloaded == 0.0 and merged_gap <= 1e-4
+        detail = f"reloaded checkpoint: max gap {reloaded:.1e} (= 0); merged export in transformers: max gap {merged_gap:.1e} (<= 1e-4)"
+        return GateResult("export", passed, detail)
+
+    def _transformers_log_probs(self, folder: str, batch: Any) -> torch.Tensor:
+        """[N, R] log-probs of the responses by a plain transformers model loaded from `folder`
+        (padded rows; the banned tokens removed, as the actor's sampling distribution does)."""
+        from vlrl.models.loading import load_config, model_class
+        from vlrl.models.packing import build_padded_inputs
+        from vlrl.workers.vision import VisionCache
+
+        model = model_class(load_config(folder)).from_pretrained(folder, dtype=torch.float32).eval()
+        pixels = grid = None
+        if any(batch.images):
+            assert self.processor is not None  # rows with images: a vision model
+            pixels, grid = VisionCache(self.processor.image_processor, family=self.family).collate(
+                batch.images
+            )
+        args = (batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_length)
+        inputs = build_padded_inputs(*args, pixel_values=pixels, image_grid_thw=grid)
+        kwargs = dict(inputs.model_kwargs)
+        if not self.family.rows_are_model_input:
+            kwargs.pop("image_grid_thw", None)
+        with torch.no_grad():
+            logits = model(**kwargs, use_cache=False).logits[inputs.rows, inputs.cols].double()
+        logits[:, list(self.actor().model.banned_token_ids)] = float("-inf")
+        tokens = batch.responses[inputs.rows, inputs.cols]
+        out = torch.zeros(batch.responses.shape, dtype=torch.float64)
+        out[inputs.rows, inputs.cols] = logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+        return out.float()
+
     def run(self, gates: list[str]) -> list[GateResult]:
         return [getattr(self, gate)() for gate in gates]
+
+
+@torch.no_grad()
+def _perturb(module: torch.nn.Module, seed: int) -> None:
+    """Add noise of 0.3 x each parameter's own spread to every parameter (this rank's shard)."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        local.add_(torch.randn(local.shape, generator=gen) * 0.3 * local.float().std().clamp(min=1e-3))
 
 
 def _relative_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -29,7 +29,12 @@ GATES = {
     "packing": "packed rows give the log-probs and gradients of padded rows (or padded rows those of "
     "each row alone, for a padded-only family); shared image encoding equals encoding each copy",
     "engine_log_probs": "the actor's log-probs of the engine's sampled tokens equal the engine's",
-    "weight_sync": "a weight sync sets every engine parameter: greedy rollouts equal transformers'",
+    "weight_sync": "a weight sync sets every engine parameter: with every actor parameter changed, the "
+    "engine samples the new weights' distribution, not the old one's",
+    "lora": "LoRA leaves the vision tower and its projector untouched; a merged sync gives the engine "
+    "the LoRA actor's distribution",
+    "export": "a saved checkpoint reloads to identical log-probs; the merged export loads in "
+    "transformers with the same log-probs",
 }
 
 
@@ -66,6 +71,10 @@ class Family:
     attention_output_gate: bool = False
     # The vision tower takes `cu_seqlens` and may use vlrl's varlen attention (`vlrl.models.attention`).
     varlen_vision_attention: bool = False
+    # The projector from vision features to the text width when it is not inside the vision tower
+    # (module path; None: Qwen's merger is the tower's last part). LoRA and freeze_vision_tower
+    # treat it as part of the tower.
+    projector: str | None = None
     # Prompt expansion of each image placeholder: "qwen_grid" (vlrl's fast rule from the image
     # size: sides rounded to patch x merge, one token per merged patch; the data pipeline never
     # decodes an image) or "processor" (the HF processor expands it on the driver: correct by

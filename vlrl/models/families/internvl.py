@@ -40,6 +40,7 @@ INTERNVL = Family(
         ("model.vision_tower.", "vision_tower."),
         ("model.multi_modal_projector.", "multi_modal_projector."),
     ),
+    projector="model.multi_modal_projector",
     image_expansion="processor",
     image_rows="num_patches",
     rows_are_model_input=False,
