@@ -110,3 +110,18 @@ def test_a_vision_model_without_a_record_is_refused():
     with pytest.raises(ValueError, match="'gemma3' has no family record"):
         family_of({"model_type": "gemma3", "vision_config": {"model_type": "siglip_vision_model"}})
     assert family_of({"model_type": "mistral"}).name == "text"
+
+
+def test_trainer_refuses_the_family_before_the_data_loads():
+    """The driver's start-up check (before data, Ray and the ranks) names the key to change."""
+    from transformers import AutoConfig
+
+    from vlrl.config import ConfigError
+    from vlrl.trainer.data_setup import _check_family
+
+    config = _config()
+    with pytest.raises(ConfigError, match="padding_free=false"):
+        _check_family(AutoConfig.for_model("qwen3_5"), config)
+    with pytest.raises(ConfigError, match="'gemma3' has no family record"):
+        _check_family(AutoConfig.for_model("gemma3"), config)
+    _check_family(AutoConfig.for_model("qwen2_5_vl"), config)  # a gated family with this config: fine
