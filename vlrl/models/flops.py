@@ -89,10 +89,11 @@ def _attention_params(c: Any, kind: str, gated_query: bool) -> int:
 def decoder_matmul_params(hf_config: Any) -> int:
     """Parameters the decoder multiplies each token by: layers' token mixers + MLP (for MoE layers
     the router and top-k experts: active parameters), and the lm head."""
-    from vlrl.models.families import family_of
+    from vlrl.models.families import find_family
 
     c = _text_config(hf_config)
-    gated = family_of(hf_config).attention_output_gate
+    family = find_family(hf_config)
+    gated = family is not None and family.attention_output_gate
     attn = sum(_attention_params(c, kind, gated) for kind in _layer_types(c))
     mlp = sum(mlp_matmul_params(c, layer) for layer in range(c.num_hidden_layers))
     return attn + mlp + c.hidden_size * c.vocab_size
@@ -228,10 +229,11 @@ def batch_vision_grids(
     `collate_shared`, vlrl.models.shared_images). Items need `.size` (width, height); videos also
     `.frames`. A group split over micro-batches is encoded once per micro-batch: that extra work
     is not counted (model FLOPs)."""
-    from vlrl.models.families import family_of
+    from vlrl.models.families import find_family
 
     vc = getattr(hf_config, "vision_config", None)
-    if vc is None or family_of(hf_config).vision_scheme is None:
+    family = find_family(hf_config)
+    if vc is None or (family is not None and family.vision_scheme is None):
         return []  # no vision tower, or no patch-grid rule for it (InternVL): the decoder's FLOPs only
     grids: list[Grid] = []
     for per_sample, is_video in ((images, False), (videos or [], True)):

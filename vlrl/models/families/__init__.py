@@ -123,6 +123,13 @@ def _has_vision(hf_config: Any) -> bool:
     return getattr(hf_config, "vision_config", None) is not None
 
 
+def find_family(hf_config: Any) -> Family | None:
+    """The record naming this config's model_type, or None (no raise: for code that has a
+    fallback, such as the FLOPs of a config built by hand)."""
+    model_type = _model_type(hf_config)
+    return next((f for f in FAMILIES.values() if model_type in f.model_types), None)
+
+
 def family_of(hf_config: Any) -> Family:
     """The record of a transformers config (or its dict). A text model of a type no record names
     is a `TEXT` model (any causal LM transformers and vLLM both serve); a vision model must have one."""
