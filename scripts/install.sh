@@ -39,6 +39,7 @@ COMMON=(
   "transformers==5.19.*" "tokenizers>=0.23.2" "ray[default]==2.60.*"
   "datasets==5.2.*" "qwen-vl-utils==0.0.14" "av==18.*" jinja2 pillow "wandb==0.31.*"
   tensorboard matplotlib tqdm pyarrow pandas math-verify "peft==0.21.*" pytest pytest-timeout ruff "mypy==1.20.*" types-PyYAML
+  "num2words==0.5.*"  # SmolVLM's processor requires it (transformers' processing_smolvlm)
   # EasyR1 carry-over: its loggers, and the packages its reward files import
   "swanlab==0.10.*" "mlflow-skinny==3.17.*" "mathruler==0.1.*" "pylatexenc==2.11.*"
 )

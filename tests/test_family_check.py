@@ -13,7 +13,17 @@ from vlrl.models.families import FAMILIES, GATES, family_errors, family_of
 from vlrl.models.families.qwen import QWEN3_5
 
 # One tiny arch per family (qwen3 is another `text` model: qwen2 gates the family).
-GATED_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "internvl", "qwen2")
+GATED_ARCHS = (
+    "qwen2_5_vl",
+    "qwen2_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "internvl",
+    "idefics3",
+    "smolvlm",
+    "qwen2",
+)
 
 
 def test_every_family_with_a_tiny_builder_is_gated_here():
@@ -104,6 +114,41 @@ def test_lora_and_freezing_take_internvl_projector_with_the_tower(tmp_path):
     assert pattern.fullmatch("model.multi_modal_projector.linear_1")
     assert pattern.fullmatch("model.vision_tower.encoder.layer.0.mlp.fc1")
     assert not pattern.fullmatch("model.language_model.layers.0.mlp.up_proj")
+
+
+@pytest.mark.parametrize("arch", ["internvl", "idefics3"])
+def test_a_family_dummy_image_runs_through_its_model(arch, tmp_path):
+    """A micro-batch without images on a rank whose peers have some runs the family's dummy image
+    (`Family.dummy_image`) through the tower: its tokens must match the features the model makes
+    of it, in the family's input layout (Idefics3 drops an all-zero tile as padding: its dummy is grey)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlrl.models.tiny import build_tiny_model
+    from vlrl.workers.vision import dummy_image_anchor
+
+    model = AutoModelForImageTextToText.from_pretrained(build_tiny_model(tmp_path / "m", arch)).eval()
+    anchor = dummy_image_anchor(model.config, mrope=False, device="cpu")
+    kwargs = {"input_ids": anchor.token_ids[None], "pixel_values": anchor.pixel_values,
+              "image_grid_thw": anchor.image_grid_thw}  # fmt: skip
+    with torch.no_grad():
+        logits = model(**family_of(model.config).model_inputs(kwargs)).logits
+    assert logits.shape[:2] == (1, len(anchor.token_ids)) and torch.isfinite(logits).all()
+
+
+def test_gradient_gap_ignores_rounding_noise_but_not_a_real_gap():
+    """A gradient zero in exact arithmetic (a key bias: ~1e-10 of noise) differs by 100% between
+    packed and padded rows; that is no gap. A real one, above 1e-6 of the largest gradient, is."""
+    import torch
+
+    from vlrl.tools.family_check import _relative_gap
+
+    padded = {"q": torch.tensor([1.0, -2.0]), "k_bias": torch.tensor([5e-10, -3e-10])}
+    packed = {"q": torch.tensor([1.0, -2.0]), "k_bias": torch.tensor([-4e-10, 2e-10])}
+    assert _relative_gap(packed, padded) < 1e-3
+    packed["k_bias"] = torch.tensor([1e-3, 0.0])
+    assert _relative_gap(packed, padded) > 1.0
+    assert _relative_gap({"q": padded["q"]}, padded) == float("inf")
 
 
 def test_a_vision_model_without_a_record_is_refused():

@@ -49,6 +49,9 @@ def test_transformers_round_trip(tiny_dirs: dict[str, Path], arch: str) -> None:
     if arch == "internvl":
         # 56x84 -> 2 tiles of 56 plus a thumbnail (crop to patches), 4 context tokens each
         assert enc["pixel_values"].shape[0] == 3 and n_pad == 3 * INTERNVL_TOKENS_PER_TILE
+    elif arch in ("idefics3", "smolvlm"):
+        # 56x84 -> longest side 112 (two tiles): 2x2 tiles of 56 plus the global view, 4 tokens each
+        assert enc["pixel_values"].shape[:2] == (1, 5) and n_pad == 5 * INTERNVL_TOKENS_PER_TILE
     elif arch in VISION_ARCHS:
         # a 56x84 image = 4x6 patches of 14 (or 16 -> resized), merged 2x2: the pads match the grid
         grid = enc["image_grid_thw"][0]

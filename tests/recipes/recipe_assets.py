@@ -52,6 +52,7 @@ MODELS = {
     "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_moe",
     "Qwen/Qwen3.5-27B": "qwen3_5",
     "OpenGVLab/InternVL3-8B-hf": "internvl",
+    "HuggingFaceTB/SmolVLM2-2.2B-Instruct": "smolvlm",
 }
 # Answers the warm-up teaches; the datasets hold these and math-style ones it never gives
 ANSWERS = ("1", "2")

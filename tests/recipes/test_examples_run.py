@@ -31,8 +31,9 @@ EXAMPLES: dict[str, tuple[list[list[str]], bool]] = {
     "qwen2_5_vl_3b_multi_image.yaml": ([["examples/data/make_multi_image.py", "data/multi_image", "--n-train", "8", "--n-val", "4"]], False),
     "qwen2_5_vl_7b_dapo.yaml": ([], False),
     "qwen2_5_vl_7b_geo3k_grpo.yaml": ([], False),
-    "qwen3_5_27b_geo3k_grpo.yaml": ([], False),
-    "internvl3_8b_geo3k_grpo.yaml": ([], False),  # the InternVL family's row (processor expansion)  # the Qwen3.5 family's row (padded, chunked prefill)
+    "qwen3_5_27b_geo3k_grpo.yaml": ([], False),  # the Qwen3.5 family's row (padded, chunked prefill)
+    "internvl3_8b_geo3k_grpo.yaml": ([], False),  # the InternVL family's row (processor expansion)
+    "smolvlm2_2b_geo3k_grpo.yaml": ([], False),  # the SmolVLM family's row (tiles as [1, tiles, C, H, W])
     "qwen2_5_vl_7b_geo3k_zoom.yaml": (
         [["examples/prepare_zoom_data.py", "--source", f"hiyouga/geometry3k@{split}", "--out", f"data/geo3k_zoom/{split}.jsonl"]
          for split in ("train", "test")],
@@ -56,7 +57,7 @@ def repo_dir(easyr1_assets: Path, tmp_path: Path) -> Path:
     the hub ids of the recipes as local folders."""
     for name in ("examples", "format_prompts", "reward_functions"):
         (tmp_path / name).symlink_to(REPO / name, target_is_directory=True)
-    for owner in ("hiyouga", "Qwen", "OpenGVLab"):
+    for owner in ("hiyouga", "Qwen", "OpenGVLab", "HuggingFaceTB"):
         (tmp_path / owner).symlink_to(easyr1_assets / owner, target_is_directory=True)
     return tmp_path
 

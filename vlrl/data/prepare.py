@@ -30,7 +30,7 @@ from vlrl.data.prompts import (
 )
 from vlrl.data.video import Video, frame_size_rule, load_video
 from vlrl.models.families import TEXT, Family, family_of, family_of_processor
-from vlrl.models.processor import VisionSpec, vision_spec
+from vlrl.models.processor import VisionSpec, image_tokens_by_size, vision_spec
 from vlrl.models.rope import mrope_position_ids, text_position_ids
 
 
@@ -95,6 +95,8 @@ class RowPreparer:
         self.used_keys = {config.prompt_key, config.answer_key, config.image_key, config.video_key}
         # frame_size(frames, height, width), built on the first video (needs the video processor)
         self._frame_size: Callable[[int, int, int], tuple[int, int]] | None = None
+        # (height, width) -> tokens its expansion writes, for a family its processor expands
+        self._image_tokens: dict[tuple[int, int], int] = {}
 
     @property
     def vision(self) -> VisionSpec:
@@ -272,8 +274,10 @@ class RowPreparer:
         processor expands, its own count from the size alone (brackets included)."""
         if self.expands_by_processor:
             assert self.processor is not None  # only a vision family expands by its processor
-            counts = self.processor._get_num_multimodal_tokens(image_sizes=[list(s) for s in sizes])
-            return [int(n) for n in counts["num_image_tokens"]]
+            missing = [size for size in dict.fromkeys(sizes) if size not in self._image_tokens]
+            if missing:
+                self._image_tokens.update(zip(missing, image_tokens_by_size(self.processor, missing)))
+            return [self._image_tokens[size] for size in sizes]
         return [(h // self.vision.factor) * (w // self.vision.factor) for h, w in sizes]
 
     def grid_thw(self, sizes: list[tuple[int, int]]) -> torch.Tensor:

@@ -82,8 +82,12 @@ def vision_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The vision encoder (including its merger) of a Qwen-VL model, or None."""
-    for path in ("model.visual", "visual", "model.vision_tower", "vision_tower"):
+    """The vision encoder of a vision model (Qwen's with its merger; `Family.vision_tower`), or None."""
+    config = getattr(model, "config", None)
+    if config is None or not is_vision_model(config):
+        return None
+    full = family_of(config).vision_tower
+    for path in (full, full.removeprefix("model.")):  # the top-level model's path, or its inner model's
         module: Any = model
         for name in path.split("."):
             module = getattr(module, name, None)

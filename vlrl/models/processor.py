@@ -137,6 +137,25 @@ def vision_spec(processor: Any, hf_config: Any | None = None) -> VisionSpec:
     return _qwen_spec(processor, hf_config)
 
 
+def image_tokens_by_size(processor: Any, sizes: list[tuple[int, int]]) -> list[int]:
+    """Tokens the processor's expansion writes for one image of each (height, width), brackets
+    included: its `_get_num_multimodal_tokens` where it has one (InternVL's, Idefics3's), else
+    counted by expanding a blank image of that size (SmolVLM's processor in transformers 5.19 has
+    no counter; its expansion is Idefics3's)."""
+    if hasattr(processor, "_get_num_multimodal_tokens"):
+        counts = processor._get_num_multimodal_tokens(image_sizes=[list(size) for size in sizes])
+        return [int(n) for n in counts["num_image_tokens"]]
+    from PIL import Image
+
+    placeholder = processor.image_token
+    alone = len(processor.tokenizer(placeholder)["input_ids"])  # the placeholder and any BOS
+    counts = []
+    for height, width in sizes:
+        out = processor(text=[placeholder], images=[Image.new("RGB", (width, height))])
+        counts.append(len(out["input_ids"][0]) - alone + 1)
+    return counts
+
+
 def _processor_spec(processor: Any, name: str) -> VisionSpec:
     tokenizer = processor.tokenizer
     image_token = processor.image_token

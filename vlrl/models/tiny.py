@@ -20,9 +20,20 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "internvl", "qwen2", "qwen3")
+from vlrl.models.families.idefics3 import IMAGE_TOKENS as IDEFICS3_IMAGE_TOKENS
+
+VISION_ARCHS = (
+    "qwen2_5_vl",
+    "qwen2_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "internvl",
+    "idefics3",
+    "smolvlm",
+)
 TEXT_ARCHS = ("qwen2", "qwen3")
-VISION_ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "internvl")
+ARCHS = (*VISION_ARCHS, *TEXT_ARCHS)
 QWEN3_VL_PROCESSOR_ARCHS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")  # one processor, patch 16
 # Mixture-of-experts text decoder of the `qwen3_vl_moe` arch: every layer sparse, top-k routing.
 MOE_EXPERTS, MOE_TOP_K = 4, 2
@@ -42,6 +53,12 @@ SPECIAL_TOKENS = (
 INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
                    "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}  # fmt: skip
 INTERNVL_TILE, INTERNVL_TOKENS_PER_TILE = 56, 4  # 4x4 patches of 14, pixel-shuffled 2x2 -> 4 tokens
+# Idefics3's and SmolVLM's: image brackets, placeholder, tile tokens, and the end of a turn (the
+# processor requires it; our template ends turns with <|im_end|>). Tiles as InternVL's; an image's
+# longest side is resized to two tiles: 2x2 tiles (or 1x2, 2x1) and the global view.
+IDEFICS3_ARCHS = ("idefics3", "smolvlm")
+IDEFICS3_TOKENS = (*IDEFICS3_IMAGE_TOKENS, "<end_of_utterance>")
+IMAGE_PLACEHOLDERS = {"internvl": "<IMG_CONTEXT>", "idefics3": "<image>", "smolvlm": "<image>"}
 
 # Our own chat template (Qwen-style turns). Message content is a string or a list of parts
 # {"type": "text", "text": ...} / {"type": "image"} / {"type": "video"}. Unlike Qwen's, it adds no
@@ -117,11 +134,11 @@ REASONING_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
 
 def chat_template(arch: str) -> str:
     """`CHAT_TEMPLATE` with the arch's image and video placeholders."""
-    if arch != "internvl":
+    if arch not in IMAGE_PLACEHOLDERS:
         return CHAT_TEMPLATE
-    return CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>").replace(
-        "<|vision_start|><|video_pad|><|vision_end|>", "<video>"
-    )
+    return CHAT_TEMPLATE.replace(
+        "<|vision_start|><|image_pad|><|vision_end|>", IMAGE_PLACEHOLDERS[arch]
+    ).replace("<|vision_start|><|video_pad|><|vision_end|>", "<video>")
 
 
 def build_tokenizer(
@@ -148,7 +165,7 @@ def build_tokenizer(
     if reasoning_tokens:
         tok.add_tokens(list(REASONING_TOKENS))
     extra = INTERNVL_TOKENS if arch == "internvl" else {}
-    tok.add_special_tokens(list(extra.values()))
+    tok.add_special_tokens(list(extra.values()) + list(IDEFICS3_TOKENS if arch in IDEFICS3_ARCHS else ()))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -162,7 +179,9 @@ def build_tokenizer(
 
 
 def _token_ids(tokenizer) -> dict[str, int]:
-    return {t: tokenizer.convert_tokens_to_ids(t) for t in (*SPECIAL_TOKENS, *INTERNVL_TOKENS.values())}
+    return {
+        t: tokenizer.convert_tokens_to_ids(t) for t in (*SPECIAL_TOKENS, *INTERNVL_TOKENS.values(), "<image>")
+    }
 
 
 def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]):
@@ -195,6 +214,12 @@ def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]
         return AutoConfig.for_model(arch, text_config=text, vision_config=vision, image_token_id=ids["<IMG_CONTEXT>"],
                                     image_seq_length=INTERNVL_TOKENS_PER_TILE, downsample_ratio=0.5,
                                     tie_word_embeddings=False)  # fmt: skip
+    if arch in IDEFICS3_ARCHS:  # SigLIP-style tower + pixel-shuffle connector + a Llama text model
+        text.update(model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+        vision = dict(hidden_size=size.vision_hidden // 2, intermediate_size=size.vision_hidden,
+                      num_hidden_layers=size.vision_depth, num_attention_heads=2, image_size=INTERNVL_TILE, patch_size=14)  # fmt: skip
+        return AutoConfig.for_model(arch, text_config=text, vision_config=vision, image_token_id=ids["<image>"],
+                                    scale_factor=2, pad_token_id=text["pad_token_id"], tie_word_embeddings=False)  # fmt: skip
     # mrope splits the rotary frequencies (half the rotated dims) over (temporal, height, width).
     # Qwen3.5 rotates a quarter of each head (`partial_rotary_factor`).
     rotary = head_dim // 4 if arch == "qwen3_5" else head_dim
@@ -259,6 +284,8 @@ def build_processor(arch: str, tokenizer, min_pixels: int, max_pixels: int):
         return InternVLProcessor(image_processor=image, tokenizer=tokenizer, video_processor=InternVLVideoProcessor(size=tile),
                                  image_seq_length=INTERNVL_TOKENS_PER_TILE, chat_template=chat_template(arch))  # fmt: skip
 
+    if arch in IDEFICS3_ARCHS:
+        return _idefics3_processor(arch, tokenizer)
     if arch in QWEN3_VL_PROCESSOR_ARCHS:
         from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
@@ -279,6 +306,22 @@ def build_processor(arch: str, tokenizer, min_pixels: int, max_pixels: int):
     return processor_cls(
         image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=CHAT_TEMPLATE
     )
+
+
+def _idefics3_processor(arch: str, tokenizer):
+    """Idefics3's (or SmolVLM's) processor: images to two tiles on the longest side, plus the global view."""
+    import transformers
+
+    prefix = "SmolVLM" if arch == "smolvlm" else "Idefics3"
+    sizes = {"size": {"longest_edge": 2 * INTERNVL_TILE}, "max_image_size": {"longest_edge": INTERNVL_TILE}}
+    parts = {
+        "image_processor": getattr(transformers, f"{prefix}ImageProcessor")(**sizes),
+        "tokenizer": tokenizer,
+    }
+    if arch == "smolvlm":
+        parts["video_processor"] = transformers.SmolVLMVideoProcessor(**sizes)
+    processor_cls = getattr(transformers, f"{prefix}Processor")
+    return processor_cls(**parts, image_seq_len=INTERNVL_TOKENS_PER_TILE, chat_template=chat_template(arch))
 
 
 def build_tiny_model(

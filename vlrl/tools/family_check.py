@@ -99,10 +99,13 @@ class FamilyCheck:
         return DataConfig(prompt_key="problem", max_prompt_length=512, max_response_length=RESPONSE_TOKENS,
                           min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)  # fmt: skip
 
-    def samples(self) -> list[Any]:
+    def preparer(self) -> Any:
         from vlrl.data.prepare import RowPreparer
 
-        preparer = RowPreparer(self.data_config(), self.tokenizer, self.processor, self.hf_config)
+        return RowPreparer(self.data_config(), self.tokenizer, self.processor, self.hf_config)
+
+    def samples(self) -> list[Any]:
+        preparer = self.preparer()
         return [preparer.sample(row, "", 100 + i, use_processor=True) for i, row in enumerate(self.rows)]
 
     def prompts(self) -> Any:
@@ -170,11 +173,18 @@ class FamilyCheck:
         from vlrl.rollout.vllm_inputs import vllm_request
 
         mismatches = []
-        samples = self.samples()
+        samples, preparer = self.samples(), self.preparer()
         requests = [vllm_request(s.raw_prompt_ids, s.images) for s in samples]
         outs = self.engine().llm.generate(requests, SamplingParams(max_tokens=1), use_tqdm=False)
         for row, sample, out in zip(self.rows, samples, outs):
             ours = [int(t) for t in sample.input_ids]
+            # the load-time count (length filters) from the image sizes alone, placeholders replaced
+            sizes = [(image.height, image.width) for image in sample.images]
+            counted = len(sample.raw_prompt_ids) - len(sizes) + sum(preparer.tokens_per_image(sizes))
+            if sample.images and counted != len(ours):
+                mismatches.append(
+                    f"row {row['problem']!r}: counted from the sizes {counted} ids, vlrl {len(ours)}"
+                )
             theirs = self._processor_ids(sample)
             if theirs is not None and theirs != ours:
                 mismatches.append(f"row {row['problem']!r}: processor {len(theirs)} ids, vlrl {len(ours)}")
@@ -403,9 +413,7 @@ class FamilyCheck:
             )
         args = (batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_length)
         inputs = build_padded_inputs(*args, pixel_values=pixels, image_grid_thw=grid)
-        kwargs = dict(inputs.model_kwargs)
-        if not self.family.rows_are_model_input:
-            kwargs.pop("image_grid_thw", None)
+        kwargs = self.family.model_inputs(dict(inputs.model_kwargs))
         with torch.no_grad():
             logits = model(**kwargs, use_cache=False).logits[inputs.rows, inputs.cols].double()
         logits[:, list(self.actor().model.banned_token_ids)] = float("-inf")
@@ -429,10 +437,14 @@ def _perturb(module: torch.nn.Module, seed: int) -> None:
 
 def _relative_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest |a - b| of a parameter's gradient over that gradient's largest |b| (inf when the
-    two do not name the same parameters)."""
+    two do not name the same parameters). The scale is at least 1e-6 of the largest gradient of
+    any parameter: a gradient that is zero in exact arithmetic (a key projection's bias, which
+    shifts every score of a query alike and so leaves its softmax unchanged) is rounding noise
+    (~1e-9 here), and its relative gap says nothing."""
     if a.keys() != b.keys():
         return float("inf")
-    return max(((a[n] - b[n]).abs().max() / b[n].abs().max().clamp(min=1e-12)).item() for n in a)
+    floor = 1e-6 * max(grad.abs().max().item() for grad in b.values())
+    return max(((a[n] - b[n]).abs().max() / b[n].abs().max().clamp(min=max(floor, 1e-12))).item() for n in a)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

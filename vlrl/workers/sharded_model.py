@@ -314,8 +314,7 @@ class ShardedModel:
             )
         else:
             inputs = build_padded_inputs(*args, **kwargs)
-        if not self.family.rows_are_model_input:  # per-image rows: bookkeeping, not a model input
-            inputs.model_kwargs.pop("image_grid_thw", None)
+        self.family.model_inputs(inputs.model_kwargs)
         return forward_log_probs(
             self.module,
             inputs,

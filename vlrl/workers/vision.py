@@ -87,11 +87,16 @@ class VisionCache:
         )
 
     def _rows(self, images: Sequence[Any]) -> dict[str, Tensor]:
-        """The image processor's pixel_values and, as [n_img, 1], its per-image row count."""
-        assert self.family is not None
-        out = self.image_processor(images=[decoded(img) for img in images], return_tensors="pt")
-        rows = torch.as_tensor(out[self.family.image_rows], dtype=torch.long).reshape(-1, 1)
-        return {"pixel_values": out["pixel_values"], "rows": rows}
+        """pixel_values [rows, C, H, W] of the images in order and, as [n_img, 1], each image's
+        row count. One processor call per image: a tiling processor's output then holds that
+        image's tiles only (Idefics3's [1, tiles, C, H, W] would pad a sample's images to the
+        longest; InternVL's is [tiles, C, H, W] already)."""
+        pixels = [
+            self.image_processor(images=[decoded(img)], return_tensors="pt")["pixel_values"] for img in images
+        ]
+        pixels = [p.reshape(-1, *p.shape[-3:]) for p in pixels]
+        rows = torch.tensor([[len(p)] for p in pixels], dtype=torch.long)
+        return {"pixel_values": torch.cat(pixels), "rows": rows}
 
     def sample_videos(self, videos: Sequence[Any]) -> SampleVision | None:
         """pixel_values_videos [patches, D] and video_grid_thw [n_vid, 3] of one sample's videos

@@ -75,15 +75,19 @@ class Family:
     # (module path; None: Qwen's merger is the tower's last part). LoRA and freeze_vision_tower
     # treat it as part of the tower.
     projector: str | None = None
+    # The vision tower's module path in the transformers model (with the merger, for Qwen).
+    vision_tower: str = "model.visual"
     # Prompt expansion of each image placeholder: "qwen_grid" (vlrl's fast rule from the image
     # size: sides rounded to patch x merge, one token per merged patch; the data pipeline never
     # decodes an image) or "processor" (the HF processor expands it on the driver: correct by
     # construction; images keep their size within data.min_pixels/max_pixels).
     image_expansion: str = "qwen_grid"
-    # Image processor output that counts each image's rows of `pixel_values` ("image_grid_thw":
-    # Qwen's patch grid; "num_patches": InternVL's tiles), and whether the model takes it as input.
-    image_rows: str = "image_grid_thw"
+    # Whether the model takes each image's count of `pixel_values` rows as an input (Qwen's
+    # `image_grid_thw`); a processor-expanded family's counts (its tiles per image) are bookkeeping.
     rows_are_model_input: bool = True
+    # How the model takes the rows of all images: "rows" ([rows, ...] as concatenated) or
+    # "batch_of_tiles" ([1, tiles, C, H, W]: Idefics3's batch x images layout, one batch row).
+    pixel_layout: str = "rows"
     # Each distinct image of a micro-batch is encoded once (`vlrl.models.shared_images`).
     shared_image_encoding: bool = True
     # Tokens never sampled (placeholders and image brackets), beside the config's *_token_id.
@@ -99,12 +103,23 @@ class Family:
     def mrope(self) -> bool:
         return self.positions == "mrope"
 
+    def model_inputs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Model keyword arguments in this family's layout, from vlrl's (`pixel_values` rows
+        concatenated, `image_grid_thw` the rows per image): changed in place and returned."""
+        if not self.rows_are_model_input:  # per-image row counts: bookkeeping, not a model input
+            kwargs.pop("image_grid_thw", None)
+        pixels = kwargs.get("pixel_values")
+        if self.pixel_layout == "batch_of_tiles" and pixels is not None:
+            kwargs["pixel_values"] = pixels.unsqueeze(0)  # [1, tiles, C, H, W]
+        return kwargs
+
 
 def _registry() -> dict[str, Family]:
+    from vlrl.models.families.idefics3 import IDEFICS3, SMOLVLM
     from vlrl.models.families.internvl import INTERNVL
     from vlrl.models.families.qwen import QWEN_FAMILIES, TEXT
 
-    return {family.name: family for family in (*QWEN_FAMILIES, INTERNVL, TEXT)}
+    return {family.name: family for family in (*QWEN_FAMILIES, INTERNVL, IDEFICS3, SMOLVLM, TEXT)}
 
 
 FAMILIES = _registry()

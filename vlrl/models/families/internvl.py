@@ -42,7 +42,7 @@ INTERNVL = Family(
     ),
     projector="model.multi_modal_projector",
     image_expansion="processor",
-    image_rows="num_patches",
+    vision_tower="model.vision_tower",
     rows_are_model_input=False,
     shared_image_encoding=False,
     banned_tokens=("<img>", "</img>", "<IMG_CONTEXT>"),
