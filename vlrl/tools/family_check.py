@@ -256,8 +256,11 @@ class FamilyCheck:
         gap = (a - b)[mask].abs().max().item()
         grad_gap = _relative_gap(grads_a, grads_b)
         shared_gap = self._shared_images_gap(model, batch) if self.family.vision else 0.0
-        passed = gap <= 1e-5 and grad_gap <= 1e-4 and shared_gap <= 1e-5
+        anchor_gap = self._dummy_image_gap(model, batch) if self.family.vision else 0.0
+        passed = gap <= 1e-5 and grad_gap <= 1e-4 and shared_gap <= 1e-5 and anchor_gap <= 1e-5
         detail = f"{what}: log-prob max gap {gap:.1e} (<= 1e-5), relative grad gap {grad_gap:.1e} (<= 1e-4)"
+        if self.family.vision:
+            detail += f"; text rows beside the dummy image {anchor_gap:.1e} (<= 1e-5)"
         if self.family.vision and self.family.shared_image_encoding:
             detail += f"; shared vs per-copy image encoding {shared_gap:.1e} (<= 1e-5)"
         elif self.family.vision:
@@ -285,6 +288,15 @@ class FamilyCheck:
         finally:
             model.spec = original
         return out.log_probs.detach(), grads
+
+    def _dummy_image_gap(self, model: Any, batch: Any) -> float:
+        """Log-probs of the text-only rows alone vs beside the family's dummy image: what a rank
+        whose micro-batch has no image runs while another rank's has one (FSDP lockstep)."""
+        text_rows = batch.select([i for i, images in enumerate(batch.images) if not images])
+        with torch.no_grad():
+            alone = model.forward_micro_batch(text_rows, 1.0, image_anchor=False).log_probs
+            beside = model.forward_micro_batch(text_rows, 1.0, image_anchor=True).log_probs
+        return (alone - beside)[text_rows.response_mask.bool()].abs().max().item()
 
     def _shared_images_gap(self, model: Any, batch: Any) -> float:
         """Log-probs with each repeated image encoded once vs with distinct copies of it."""
