@@ -11,19 +11,11 @@ import pytest
 from vlrl.config import PPOConfig
 from vlrl.models.families import FAMILIES, GATES, family_errors, family_of
 from vlrl.models.families.qwen import QWEN3_5
+from vlrl.models.tiny import VISION_ARCHS
 
-# One tiny arch per family (qwen3 is another `text` model: qwen2 gates the family).
-GATED_ARCHS = (
-    "qwen2_5_vl",
-    "qwen2_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "internvl",
-    "idefics3",
-    "smolvlm",
-    "qwen2",
-)
+# One tiny arch per family: every vision arch is a family of its own; qwen2 gates `text` (qwen3 is
+# another text model).
+GATED_ARCHS = (*VISION_ARCHS, "qwen2")
 
 
 def test_every_family_with_a_tiny_builder_is_gated_here():
