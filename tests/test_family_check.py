@@ -162,3 +162,39 @@ def test_trainer_refuses_the_family_before_the_data_loads():
     with pytest.raises(ConfigError, match="'gemma3' has no family record"):
         _check_family(AutoConfig.for_model("gemma3"), config)
     _check_family(AutoConfig.for_model("qwen2_5_vl"), config)  # a gated family with this config: fine
+
+
+def test_glm4v_needs_its_config_to_build_q_k_v_biases_in_vllm():
+    """transformers always gives GLM-4.1V's q/k/v a bias; vLLM builds it only with attention_bias
+    set and otherwise drops the synced biases silently (the weight_sync gate measured 1e-3)."""
+    from transformers import AutoConfig
+
+    from vlrl.config import ConfigError
+    from vlrl.trainer.data_setup import _check_family
+
+    config = _config()
+    hf_config = AutoConfig.for_model("glm4v", text_config={"attention_bias": True})
+    _check_family(hf_config, config)
+    hf_config.text_config.attention_bias = False
+    with pytest.raises(ConfigError, match="attention_bias=True"):
+        _check_family(hf_config, config)
+
+
+@pytest.mark.parametrize("arch", ["glm4v", "internvl"])
+def test_a_row_with_a_video_is_a_bad_row_for_a_family_without_videos(arch, tmp_path):
+    from transformers import AutoConfig
+
+    from vlrl.config import DataConfig
+    from vlrl.data.prepare import RowPreparer, RowProblem
+    from vlrl.models.processor import load_processor
+    from vlrl.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "m", arch)
+    tokenizer, processor = load_processor(str(path))
+    preparer = RowPreparer(
+        DataConfig(prompt_key="problem"), tokenizer, processor, AutoConfig.from_pretrained(path)
+    )
+    row = {"problem": "<video>What happens?", "answer": "1", "videos": [["a.png", "b.png"]]}
+    with pytest.raises(RowProblem, match="videos are supported for the Qwen-VL families only") as err:
+        preparer.text(row)
+    assert err.value.reason == "video_family"

@@ -53,6 +53,7 @@ MODELS = {
     "Qwen/Qwen3.5-27B": "qwen3_5",
     "OpenGVLab/InternVL3-8B-hf": "internvl",
     "HuggingFaceTB/SmolVLM2-2.2B-Instruct": "smolvlm",
+    "zai-org/GLM-4.1V-9B-Thinking": "glm4v",
 }
 # Answers the warm-up teaches; the datasets hold these and math-style ones it never gives
 ANSWERS = ("1", "2")

@@ -34,6 +34,7 @@ EXAMPLES: dict[str, tuple[list[list[str]], bool]] = {
     "qwen3_5_27b_geo3k_grpo.yaml": ([], False),  # the Qwen3.5 family's row (padded, chunked prefill)
     "internvl3_8b_geo3k_grpo.yaml": ([], False),  # the InternVL family's row (processor expansion)
     "smolvlm2_2b_geo3k_grpo.yaml": ([], False),  # the SmolVLM family's row (tiles as [1, tiles, C, H, W])
+    "glm4_1v_9b_geo3k_grpo.yaml": ([], False),  # the GLM-4.1V family's row (its own token names and bounds)
     "qwen2_5_vl_7b_geo3k_zoom.yaml": (
         [["examples/prepare_zoom_data.py", "--source", f"hiyouga/geometry3k@{split}", "--out", f"data/geo3k_zoom/{split}.jsonl"]
          for split in ("train", "test")],
@@ -57,7 +58,7 @@ def repo_dir(easyr1_assets: Path, tmp_path: Path) -> Path:
     the hub ids of the recipes as local folders."""
     for name in ("examples", "format_prompts", "reward_functions"):
         (tmp_path / name).symlink_to(REPO / name, target_is_directory=True)
-    for owner in ("hiyouga", "Qwen", "OpenGVLab", "HuggingFaceTB"):
+    for owner in ("hiyouga", "Qwen", "OpenGVLab", "HuggingFaceTB", "zai-org"):
         (tmp_path / owner).symlink_to(easyr1_assets / owner, target_is_directory=True)
     return tmp_path
 

@@ -117,7 +117,11 @@ class RowPreparer:
             return 0, 0
         if self.expands_by_processor:
             return int(config.min_pixels or 0), int(config.max_pixels or 1 << 62)
-        size = getattr(self.processor.image_processor, "size", None) or {}
+        image_processor = self.processor.image_processor
+        size = dict(getattr(image_processor, "size", None) or {})
+        if self.family.processor_bounds_span_time:  # they bound t x h x w: an image is t frames
+            frames = int(image_processor.temporal_patch_size)
+            size = {key: value // frames for key, value in size.items() if isinstance(value, int)}
         low = config.min_pixels if config.min_pixels is not None else size.get("shortest_edge")
         high = config.max_pixels if config.max_pixels is not None else size.get("longest_edge")
         factor = self.vision.factor
@@ -155,7 +159,7 @@ class RowPreparer:
             raise RowProblem(
                 f"has {len(videos)} video(s) but the model is text-only (no video processor)", "text_model"
             )
-        if videos and self.expands_by_processor:
+        if videos and not self.family.videos:
             raise RowProblem(
                 f"has {len(videos)} video(s): videos are supported for the Qwen-VL families only, not "
                 f"{self.family.name!r}",

@@ -233,8 +233,8 @@ def batch_vision_grids(
 
     vc = getattr(hf_config, "vision_config", None)
     family = find_family(hf_config)
-    if vc is None or (family is not None and family.vision_scheme is None):
-        return []  # no vision tower, or no patch-grid rule for it (InternVL): the decoder's FLOPs only
+    if vc is None or (family is not None and not family.vision_flops):
+        return []  # no vision tower, or no FLOPs rule for it (InternVL, GLM-4.1V): the decoder's only
     grids: list[Grid] = []
     for per_sample, is_video in ((images, False), (videos or [], True)):
         seen: set[tuple[int, ...]] = set()

@@ -74,7 +74,8 @@ def _config_value(hf_config: Any, name: str) -> Any:
 def vision_token_ids(hf_config: Any) -> dict[str, int]:
     """{image_token_id, video_token_id, vision_start_token_id, vision_end_token_id} of a VL config."""
     names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    ids = {name: _config_value(hf_config, name) for name in names}
+    family = family_of(hf_config)
+    ids = {name: _config_value(hf_config, family.config_key(name)) for name in names}
     missing = [name for name, value in ids.items() if value is None]
     if missing:
         raise ValueError(f"model config ({model_family(hf_config)}) has no {', '.join(missing)}")
@@ -179,7 +180,9 @@ def _qwen_spec(processor: Any, hf_config: Any | None) -> VisionSpec:
     ids = {
         "image_token_id": tokenizer.convert_tokens_to_ids(image_token),
         "video_token_id": tokenizer.convert_tokens_to_ids(video_token),
-        "vision_start_token_id": tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        "vision_start_token_id": tokenizer.convert_tokens_to_ids(
+            family_of_processor(processor).vision_start_token
+        ),
     }
     tokens_per_second = 2.0  # released Qwen2.5-VL checkpoints
     family = family_of_processor(processor).vision_scheme

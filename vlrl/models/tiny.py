@@ -31,6 +31,7 @@ VISION_ARCHS = (
     "internvl",
     "idefics3",
     "smolvlm",
+    "glm4v",
 )
 TEXT_ARCHS = ("qwen2", "qwen3")
 ARCHS = (*VISION_ARCHS, *TEXT_ARCHS)
@@ -58,7 +59,12 @@ INTERNVL_TILE, INTERNVL_TOKENS_PER_TILE = 56, 4  # 4x4 patches of 14, pixel-shuf
 # longest side is resized to two tiles: 2x2 tiles (or 1x2, 2x1) and the global view.
 IDEFICS3_ARCHS = ("idefics3", "smolvlm")
 IDEFICS3_TOKENS = (*IDEFICS3_IMAGE_TOKENS, "<end_of_utterance>")
-IMAGE_PLACEHOLDERS = {"internvl": "<IMG_CONTEXT>", "idefics3": "<image>", "smolvlm": "<image>"}
+# GLM-4.1V's image and video brackets and placeholders (its processor's names).
+GLM4V_TOKENS = ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|video|>",
+                "<|end_of_video|>")  # fmt: skip
+IMAGE_PLACEHOLDERS = {"internvl": "<IMG_CONTEXT>", "idefics3": "<image>", "smolvlm": "<image>",
+                      "glm4v": "<|begin_of_image|><|image|><|end_of_image|>"}  # fmt: skip
+VIDEO_PLACEHOLDERS = {"glm4v": "<|begin_of_video|><|video|><|end_of_video|>"}
 
 # Our own chat template (Qwen-style turns). Message content is a string or a list of parts
 # {"type": "text", "text": ...} / {"type": "image"} / {"type": "video"}. Unlike Qwen's, it adds no
@@ -138,7 +144,7 @@ def chat_template(arch: str) -> str:
         return CHAT_TEMPLATE
     return CHAT_TEMPLATE.replace(
         "<|vision_start|><|image_pad|><|vision_end|>", IMAGE_PLACEHOLDERS[arch]
-    ).replace("<|vision_start|><|video_pad|><|vision_end|>", "<video>")
+    ).replace("<|vision_start|><|video_pad|><|vision_end|>", VIDEO_PLACEHOLDERS.get(arch, "<video>"))
 
 
 def build_tokenizer(
@@ -165,7 +171,8 @@ def build_tokenizer(
     if reasoning_tokens:
         tok.add_tokens(list(REASONING_TOKENS))
     extra = INTERNVL_TOKENS if arch == "internvl" else {}
-    tok.add_special_tokens(list(extra.values()) + list(IDEFICS3_TOKENS if arch in IDEFICS3_ARCHS else ()))
+    arch_tokens = {"glm4v": GLM4V_TOKENS, **dict.fromkeys(IDEFICS3_ARCHS, IDEFICS3_TOKENS)}.get(arch, ())
+    tok.add_special_tokens(list(extra.values()) + list(arch_tokens))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -179,9 +186,8 @@ def build_tokenizer(
 
 
 def _token_ids(tokenizer) -> dict[str, int]:
-    return {
-        t: tokenizer.convert_tokens_to_ids(t) for t in (*SPECIAL_TOKENS, *INTERNVL_TOKENS.values(), "<image>")
-    }
+    names = (*SPECIAL_TOKENS, *INTERNVL_TOKENS.values(), "<image>", *GLM4V_TOKENS)
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in names}
 
 
 def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]):
@@ -220,6 +226,8 @@ def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]
                       num_hidden_layers=size.vision_depth, num_attention_heads=2, image_size=INTERNVL_TILE, patch_size=14)  # fmt: skip
         return AutoConfig.for_model(arch, text_config=text, vision_config=vision, image_token_id=ids["<image>"],
                                     scale_factor=2, pad_token_id=text["pad_token_id"], tie_word_embeddings=False)  # fmt: skip
+    if arch == "glm4v":
+        return _glm4v_config(size, text, ids)
     # mrope splits the rotary frequencies (half the rotated dims) over (temporal, height, width).
     # Qwen3.5 rotates a quarter of each head (`partial_rotary_factor`).
     rotary = head_dim // 4 if arch == "qwen3_5" else head_dim
@@ -272,6 +280,32 @@ def build_config(arch: str, size: TinySize, vocab_size: int, ids: dict[str, int]
     )
 
 
+def _glm4v_config(size: TinySize, text: dict[str, Any], ids: dict[str, int]):
+    """GLM-4.1V: its vision tower (patch 14, merge 2) and a GLM-4 decoder rotating half of each
+    head by mrope (sections over the 16 rotated pairs of a 64-wide head, as 8/12/12 of 32 in the
+    real model)."""
+    from transformers import AutoConfig
+
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 1e4,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [4, 6, 6],
+    }
+    # attention_bias: transformers always gives q/k/v a bias; vLLM 0.32 (glm4.py) builds it only when
+    # the config says so, as the released configs do.
+    text.update(model_type="glm4v_text", rope_parameters=rope, attention_bias=True)
+    vision = dict(depth=size.vision_depth, hidden_size=size.vision_hidden // 2, intermediate_size=size.hidden,
+                  num_heads=2, out_hidden_size=size.hidden, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, image_size=56)  # fmt: skip
+    names = ("image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
+             "video_token_id", "video_end_token_id")  # fmt: skip
+    brackets = {name: ids[token] for name, token in zip(names, GLM4V_TOKENS)}
+    return AutoConfig.for_model(
+        "glm4v", text_config=text, vision_config=vision, **brackets, tie_word_embeddings=False
+    )
+
+
 def build_processor(arch: str, tokenizer, min_pixels: int, max_pixels: int):
     """Image + video processors and the multimodal processor for `arch`."""
     from transformers import AutoProcessor  # noqa: F401  (registers processor classes)
@@ -286,6 +320,14 @@ def build_processor(arch: str, tokenizer, min_pixels: int, max_pixels: int):
 
     if arch in IDEFICS3_ARCHS:
         return _idefics3_processor(arch, tokenizer)
+    if arch == "glm4v":  # its pixel bounds count t x h x w with t = 2 (one image = two frames)
+        from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
+
+        pixels = {"shortest_edge": 2 * min_pixels, "longest_edge": 2 * max_pixels}
+        image = Glm4vImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2, size=pixels)
+        video = Glm4vVideoProcessor(patch_size=14, merge_size=2, temporal_patch_size=2)
+        return Glm4vProcessor(image_processor=image, tokenizer=tokenizer, video_processor=video,
+                              chat_template=chat_template(arch))  # fmt: skip
     if arch in QWEN3_VL_PROCESSOR_ARCHS:
         from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 

@@ -122,10 +122,11 @@ class _SourceMetrics:
 def _check_family(hf_config: Any, config: PPOConfig) -> None:
     """Refuse, before the data loads and the ranks start, a model whose family has no record, has
     not passed every conformance gate, or cannot do what the config asks (`vlrl.models.families`)."""
-    from vlrl.models.families import family_errors, family_of
+    from vlrl.models.families import checkpoint_errors, family_errors, family_of
 
     try:
-        errors = family_errors(family_of(hf_config), config)
+        family = family_of(hf_config)
+        errors = family_errors(family, config) + checkpoint_errors(family, hf_config)
     except ValueError as err:
         errors = [str(err)]
     if errors:

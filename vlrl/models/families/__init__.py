@@ -77,6 +77,19 @@ class Family:
     projector: str | None = None
     # The vision tower's module path in the transformers model (with the merger, for Qwen).
     vision_tower: str = "model.visual"
+    # The token opening a vision block, and the config attributes that hold vlrl's id names when
+    # they differ (GLM-4.1V: `<|begin_of_image|>`, vision_start_token_id -> image_start_token_id).
+    vision_start_token: str = "<|vision_start|>"
+    config_token_keys: tuple[tuple[str, str], ...] = ()
+    # Rows with videos are accepted (False: each such row is a bad row, counted at load).
+    videos: bool = True
+    # The image processor's min/max pixels bound t x h x w with t = temporal_patch_size (GLM-4.1V
+    # counts an image as two frames): per image they are that many times smaller.
+    processor_bounds_span_time: bool = False
+    # vlrl counts its vision tower's FLOPs (`vlrl.models.flops`: Qwen's towers); else the decoder's only.
+    vision_flops: bool = True
+    # Text-config values both libraries must read alike: (attribute, required value, why).
+    text_config_requirements: tuple[tuple[str, Any, str], ...] = ()
     # Prompt expansion of each image placeholder: "qwen_grid" (vlrl's fast rule from the image
     # size: sides rounded to patch x merge, one token per merged patch; the data pipeline never
     # decodes an image) or "processor" (the HF processor expands it on the driver: correct by
@@ -103,6 +116,10 @@ class Family:
     def mrope(self) -> bool:
         return self.positions == "mrope"
 
+    def config_key(self, name: str) -> str:
+        """The config attribute holding vlrl's token id `name` (vision_start_token_id, ...)."""
+        return dict(self.config_token_keys).get(name, name)
+
     def model_inputs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Model keyword arguments in this family's layout, from vlrl's (`pixel_values` rows
         concatenated, `image_grid_thw` the rows per image): changed in place and returned."""
@@ -115,11 +132,12 @@ class Family:
 
 
 def _registry() -> dict[str, Family]:
+    from vlrl.models.families.glm import GLM4V
     from vlrl.models.families.idefics3 import IDEFICS3, SMOLVLM
     from vlrl.models.families.internvl import INTERNVL
     from vlrl.models.families.qwen import QWEN_FAMILIES, TEXT
 
-    return {family.name: family for family in (*QWEN_FAMILIES, INTERNVL, IDEFICS3, SMOLVLM, TEXT)}
+    return {family.name: family for family in (*QWEN_FAMILIES, INTERNVL, IDEFICS3, SMOLVLM, GLM4V, TEXT)}
 
 
 FAMILIES = _registry()
@@ -186,6 +204,17 @@ def engine_errors(family: Family, rollout: Any, on_gpu: bool) -> list[str]:
             f"{family.name!r} in {wanted} only; set worker.rollout.dtype={wanted}"
         )
     return errors
+
+
+def checkpoint_errors(family: Family, hf_config: Any) -> list[str]:
+    """What the model's own config must say for transformers and vLLM to build the same model."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return [
+        f"the model's text config has {key}={getattr(text, key, None)!r}; model family {family.name!r} "
+        f"needs {key}={value!r} ({why}): set it in the model folder's config.json"
+        for key, value, why in family.text_config_requirements
+        if getattr(text, key, None) != value
+    ]
 
 
 def family_errors(family: Family, config: Any) -> list[str]:
