@@ -43,6 +43,12 @@ EXAMPLES: dict[str, tuple[list[list[str]], bool]] = {
 }  # fmt: skip
 
 
+# The model families' rows (docs/models.md): after the 2 steps, the run resumes for a third, and its
+# checkpoint merges into a folder transformers loads (issue: every family trains, saves, resumes
+# and exports through the CLI).
+FAMILY_ROWS = {"qwen3_5_27b_geo3k_grpo.yaml", "internvl3_8b_geo3k_grpo.yaml", "smolvlm2_2b_geo3k_grpo.yaml",
+               "glm4_1v_9b_geo3k_grpo.yaml"}  # fmt: skip
+
 # the pass-rate sampler runs in these (rewards with an `accuracy` part; the DAPO recipe with online
 # filtering), the default shuffle in the others: the matrix passes with it on and off
 PASS_RATE_SAMPLER = {"reasoning_quickstart.yaml", "qwen2_5_vl_7b_dapo.yaml"}
@@ -90,3 +96,28 @@ def test_example_runs(example: str, repo_dir: Path, ray_address: str) -> None:
     else:  # the console's step lines
         assert "[step 2] reward/overall=" in proc.stderr
         assert "val/overall=" in proc.stderr.split("[step 2] reward/overall=", 1)[1]
+    if example in FAMILY_ROWS:
+        _resume_and_merge(repo_dir, args, run, ray_address, repo_dir / value("worker.actor.model.model_path"))
+
+
+def _resume_and_merge(repo_dir: Path, args: list[str], run: Path, ray_address: str, model_path: Path) -> None:
+    """A third step from the step-2 checkpoint, then its checkpoint as a transformers folder with
+    every weight of the model it trained."""
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
+
+    from vlrl.tools.model_merger import merge
+
+    proc = run_command(
+        repo_dir, [*args, "trainer.max_steps=3", "trainer.find_last_checkpoint=true"], ray_address
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "resumed from" in proc.stdout + proc.stderr and "[step 3] reward/overall=" in proc.stderr
+    assert (run / "global_step_3" / "actor").is_dir()
+    merged = Path(merge(str(run / "global_step_3" / "actor")))
+    model = AutoModelForImageTextToText.from_pretrained(merged)
+    assert (
+        model.config.model_type == AutoModelForImageTextToText.from_pretrained(model_path).config.model_type
+    )
+    names = [safe_open(str(folder / "model.safetensors"), "pt").keys() for folder in (merged, model_path)]
+    assert sorted(names[0]) == sorted(names[1])
