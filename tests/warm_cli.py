@@ -114,7 +114,7 @@ class _Zygote:
     """The helper process and a lock: runs go one at a time, as the tests do."""
 
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
+        env = {**os.environ, "PYTHONPATH": python_path(), "MPLBACKEND": "Agg"}
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, env=env, cwd=REPO,
@@ -163,6 +163,12 @@ def _kill_group(pid: int) -> int:
 
 
 _zygote: _Zygote | None = None
+
+
+def python_path() -> str:
+    """PYTHONPATH for a run: the checkout, then this process's (the suite puts tests/ there, for
+    the warm rank workers' hook: tests/warm_ranks.py)."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
 def run(

@@ -60,7 +60,7 @@ def cpu_sizes(args: list[str], defaults: dict[str, Any] = EASYR1_DEFAULTS, lengt
 def run_command(
     workdir: Path, args: list[str], ray_address: str, timeout: float = 600
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "SWANLAB_MODE": "offline",
+    env = {**os.environ, "PYTHONPATH": warm_cli.python_path(), "WANDB_MODE": "offline", "SWANLAB_MODE": "offline",
            "RAY_ADDRESS": ray_address}  # fmt: skip
     # the real CLI in a process of its own, forked from one that imported the driver's modules once
     return warm_cli.run(args, workdir, env, timeout)
