@@ -4,12 +4,12 @@ Every CLI run in the suite starts one to four rank workers, and each spent ~13 s
 machine) importing torch, transformers, vLLM, Ray and vlrl before its first call, and a few more
 importing vLLM's engine and model modules while building its engine. Here a helper process (the
 "rank zygote", started on first use, ended when the test session's process ends) imports them
-once. Ray starts a worker with `py_executable` + `default_worker.py ARGS`; the suite's
-`py_executable` (set by `hook`, which Ray calls from `ray.init` in every driver through
-`RAY_RUNTIME_ENV_HOOK`) is this file as a small client. The client sends the worker's argv, folder,
-environment and standard streams (the descriptors themselves) to the zygote, which forks a
-supervisor, which forks the worker: the same `default_worker.py` run as `__main__`, in a process
-that already holds the modules.
+once; one per set of a job's environment variables (see `hook`). Ray starts a worker with
+`py_executable` + `default_worker.py ARGS`; the suite's `py_executable` (set by `hook`, which Ray
+calls from `ray.init` in every driver through `RAY_RUNTIME_ENV_HOOK`) is this file as a small
+client. The client sends the worker's argv, folder, environment and standard streams (the
+descriptors themselves) to the zygote, which forks a supervisor, which forks the worker: the same
+`default_worker.py` run as `__main__`, in a process that already holds the modules.
 
 Lifetimes, as Ray expects them of the process it started (the client):
 - the worker registers with Ray under its own pid, so Ray's kills (and the tests' `os.kill` of a
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -41,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 SOCKET_ENV = "VLRL_TEST_RANK_ZYGOTE"
-"""The zygote's Unix socket; when unset, `hook` leaves Ray's workers as they are."""
+"""Where the zygotes' Unix sockets go (a path; each zygote's adds a key); when unset, `hook`
+leaves Ray's workers as they are. In a worker's environment: its zygote's socket."""
 OWNER_ENV = "VLRL_TEST_RANK_ZYGOTE_OWNER"
 """The pid of the test session's process: the zygote ends when it does."""
 START_WAIT_S = 300.0  # the zygote's imports on a loaded 2-core machine
@@ -65,13 +67,23 @@ PRELOAD = (
 
 
 def hook(runtime_env: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Ray's runtime-env hook: the job's workers start through this file when a zygote is named."""
+    """Ray's runtime-env hook: the job's workers start through this file when a zygote is named.
+
+    One zygote per set of job variables (`env_vars`): some are read when a library is imported
+    (vLLM configures its logger at import from VLLM_LOGGING_LEVEL, which a run sets from
+    VLRL_DEBUG; torch reads TORCH_CPP_LOG_LEVEL), so a worker forked from a zygote that imported
+    under another run's variables would log as that run."""
     if not os.environ.get(SOCKET_ENV):
         return runtime_env
-    # started now, it imports while Ray places the ranks; with the job's variables (library log
-    # levels, offline flags: some libraries read them when imported)
-    ensure_zygote(os.environ[SOCKET_ENV], (runtime_env or {}).get("env_vars") or {})
-    return {**(runtime_env or {}), "py_executable": f"{sys.executable} {__file__}"}
+    env_vars = dict((runtime_env or {}).get("env_vars") or {})
+    key = hashlib.sha256(json.dumps(env_vars, sort_keys=True).encode()).hexdigest()[:12]
+    path = f"{os.environ[SOCKET_ENV]}.{key}"
+    ensure_zygote(path, env_vars)  # started now, it imports while Ray places the ranks
+    return {
+        **(runtime_env or {}),
+        "env_vars": {**env_vars, SOCKET_ENV: path},
+        "py_executable": f"{sys.executable} {__file__}",
+    }
 
 
 def ensure_zygote(path: str, env_vars: dict[str, str] | None = None) -> None:

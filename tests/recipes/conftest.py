@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import shared_ray
 from recipe_assets import easyr1_workdir
 
 
-@pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    """One local Ray cluster that every run of a module joins through RAY_ADDRESS, as runs on a
-    cluster do: a run then skips the ~10 s of starting its own. Stopped with the module, so the
-    test process is Ray-free again for the tests after it (in-process rank workers check
-    `ray.is_initialized()`)."""
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+@pytest.fixture
+def ray_address() -> str:
+    """The suite's one Ray cluster, which every recipe run joins through RAY_ADDRESS (shared_ray.py)."""
+    return shared_ray.address()
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import shared_ray
 import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,9 +53,17 @@ def cli_args(assets: dict[str, Path], out: Path, *extra: str) -> list[str]:
     ]
 
 
+def joined_env() -> dict[str, str]:
+    """A run's environment when it joins the suite's Ray cluster (shared_ray.py)."""
+    address = shared_ray.address()  # first: it may set RAY_AUTH_MODE in this process's environment
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "VLRL_DEBUG": "1", "RAY_ADDRESS": address}
+
+
 def run_cli(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLRL_DEBUG": "1"}
-    proc = warm_cli.run(args, REPO, env, timeout)  # the real CLI, forked with the driver's imports done
+    """The CLI, joined to the suite's Ray cluster; it must succeed."""
+    proc = warm_cli.run(
+        args, REPO, joined_env(), timeout
+    )  # the real CLI, forked with the driver's imports done
     assert proc.returncode == 0, f"run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
@@ -65,6 +74,7 @@ def read_metrics(out: Path) -> dict[int, dict[str, float]]:
 
 
 def start_cli(args: list[str], log: Path) -> subprocess.Popen:
+    """The CLI as a user starts it: a process of its own that starts its own local Ray cluster."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLRL_DEBUG": "1"}
     with open(log, "w") as f:
         # A new session, so the kill below takes Ray's processes with the driver.

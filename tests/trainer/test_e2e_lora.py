@@ -8,7 +8,6 @@ reference policy, the actor with its adapters switched off, runs inside the trai
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import warm_cli
+from e2e_helpers import joined_env
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -64,8 +64,7 @@ def test_quickstart_with_lora_raises_the_reward(quickstart: dict[str, Path], tmp
         "algorithm.kl_coef=1e-3",
         "algorithm.kl_penalty=low_var_kl",  # >= 0, and > 0 once the policy left the reference
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLRL_DEBUG": "1"}
-    proc = warm_cli.run(args, REPO, env, timeout=2000)
+    proc = warm_cli.run(args, REPO, joined_env(), timeout=2000)
     assert proc.returncode == 0, f"run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     metrics = _metrics(out)
     rewards = [metrics[s]["reward/overall"] for s in range(1, STEPS + 1)]

@@ -4,11 +4,11 @@ an FSDP2 actor with a reference, the moving-square video task (MPEG-4 files read
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import warm_cli
+from e2e_helpers import joined_env
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -54,8 +54,7 @@ def test_trains_on_videos(tmp_path: Path) -> None:
         "trainer.plot_path=null",
         "trainer.logger=[console,file]",
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLRL_DEBUG": "1"}
-    proc = warm_cli.run(args, REPO, env, timeout=600)
+    proc = warm_cli.run(args, REPO, joined_env(), timeout=600)
     assert proc.returncode == 0, f"run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     lines = (out / "logs" / "metrics.jsonl").read_text().splitlines()
     metrics = {row["step"]: row for row in map(json.loads, lines)}

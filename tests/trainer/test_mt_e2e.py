@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import shared_ray
 import warm_cli
 from example_scripts import load_example
 
@@ -42,7 +43,8 @@ def test_multi_turn_demo_runs(tmp_path: Path) -> None:
         "trainer.val_before_train=false",
         "trainer.logger=[console,file]",
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    address = shared_ray.address()  # first: it may set RAY_AUTH_MODE in this process's environment
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": address}
     proc = warm_cli.run(args, REPO, env, timeout=900)
     assert proc.returncode == 0, f"run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
