@@ -50,7 +50,13 @@ def address() -> str:
             # A local cluster turns token authentication on when ~/.ray/auth_token exists, by
             # RAY_AUTH_MODE=token in its processes (ray 2.60, ray/_private/authentication/
             # authentication_token_setup.py); a driver joining it needs the same, or the GCS refuses it.
+            # Ray's C++ settings in this process follow, as `ray.init` does for a cluster it starts
+            # (ray 2.60, authentication_token_setup.py `_enable_token_auth`: `Config.initialize("")`):
+            # a cluster a test starts here later (test_deadlines.py) reaches its GCS only then.
             os.environ["RAY_AUTH_MODE"] = started["auth_mode"]
+            from ray._raylet import Config
+
+            Config.initialize("")
         atexit.register(_stop, _helper)
     return _address
 
