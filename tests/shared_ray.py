@@ -35,7 +35,12 @@ def address() -> str:
     """The shared cluster's GCS address (host:port), starting the cluster on first use."""
     global _helper, _address
     if _helper is None or _helper.poll() is not None:
-        env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+        # without the warm-rank hook: the helper's own job starts no workers, so no zygote for it
+        env = {
+            key: value
+            for key, value in os.environ.items()
+            if key not in ("RAY_ADDRESS", "RAY_RUNTIME_ENV_HOOK")
+        }
         _helper = subprocess.Popen(
             [sys.executable, "-c", _HELPER, str(NUM_CPUS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, env=env,
