@@ -57,7 +57,7 @@ def address() -> str:
             # authentication_token_setup.py); a driver joining it needs the same, or the GCS refuses it.
             # Ray's C++ settings in this process follow, as `ray.init` does for a cluster it starts
             # (ray 2.60, authentication_token_setup.py `_enable_token_auth`: `Config.initialize("")`):
-            # a cluster a test starts here later (test_deadlines.py) reaches its GCS only then.
+            # a cluster a test starts here later (test_rank_group.py) reaches its GCS only then.
             os.environ["RAY_AUTH_MODE"] = started["auth_mode"]
             from ray._raylet import Config
 

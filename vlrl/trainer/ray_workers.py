@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vlrl.config import PPOConfig
@@ -106,6 +111,18 @@ def _free_port_and_ip() -> tuple[str, int]:
         s.bind(("", 0))
         port = s.getsockname()[1]
     return ray.util.get_node_ip_address(), port
+
+
+def rendezvous_address(
+    placement: PlacementGroup, bundle: int, strategy: PlacementGroupSchedulingStrategy
+) -> tuple[str, int]:
+    """The IP of the node holding `bundle` and a free port there. On the driver's own node (every
+    single-node run) the driver picks them itself; on another node a task placed there does, which
+    first starts a Ray worker process on that node (seconds)."""
+    nodes = placement_group_table(placement).get("bundles_to_node_id", {})
+    if nodes.get(bundle) == ray.get_runtime_context().get_node_id():
+        return _free_port_and_ip()
+    return ray.get(ray.remote(_free_port_and_ip).options(scheduling_strategy=strategy).remote())
 
 
 @dataclass(frozen=True)
@@ -267,8 +284,7 @@ def start_rank_groups(config: PPOConfig) -> RankRoles:
         ).remote(config, *args, run_id=run_id)
 
     def address(rank: int) -> tuple[str, int]:
-        """A free port on the node where `rank` runs (a task placed there learns it)."""
-        return ray.get(ray.remote(_free_port_and_ip).options(scheduling_strategy=strategy[rank]).remote())
+        return rendezvous_address(placement, layout.bundle_of_rank[rank], strategy[rank])
 
     train_world = config.train_world_size
     master_ip, master_port = address(0)  # the training world's rendezvous: rank 0's node
