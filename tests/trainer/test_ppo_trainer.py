@@ -9,6 +9,7 @@ logged or returned.
 from __future__ import annotations
 
 import gc
+import re
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,17 @@ class _CountingData:
     def next_train_batch(self):
         self.batches += 1
         return self.data.next_train_batch()
+
+
+def test_the_start_up_line_says_where_the_time_went(make, capsys) -> None:
+    make()
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[vlrl] start-up ")]
+    assert len(line) == 1, line
+    # the trainer's own phase (this test starts no Ray), then rank 0's phases (RankWorker.setup;
+    # it waits for the reward workers it started when it scores its own rows)
+    seconds = r"\d+\.\d s"
+    pattern = rf"start-up {seconds}: models {seconds} \(rank 0's models: processor {seconds}, engine {seconds}, actor {seconds}, weight_sync {seconds}(, reward_workers_wait {seconds})?\)$"
+    assert re.search(pattern, line[0]), line[0]
 
 
 def test_online_filtering_refills_the_batch_with_unsolved_groups(make) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Sized
 from typing import Any
 
@@ -66,10 +67,17 @@ from vlrl.trainer.sources import (
 from vlrl.trainer.validation import Validation
 from vlrl.utils.busy_clock import BUSY_S, WALL_S, IdleShares
 from vlrl.utils.checkpoint_files import CorruptCheckpoint, check_shared_filesystem
+from vlrl.utils.phase_times import PhaseTimes
 from vlrl.workers.rank_worker import RankWorker, check_same_banned_tokens
 from vlrl.workers.scoring import BatchScorer
 
 logger = logging.getLogger(__name__)
+
+
+def _setup_phases(metrics: dict[str, float]) -> str:
+    """A rank's `setup/<phase>_s` metrics (`RankWorker.setup`) as `phase 1.2 s, ...`."""
+    phases = {k[len("setup/") : -len("_s")]: v for k, v in metrics.items() if k.startswith("setup/")}
+    return ", ".join(f"{name} {s:.1f} s" for name, s in phases.items() if name != "total")
 
 
 class PPOTrainer:
@@ -85,6 +93,7 @@ class PPOTrainer:
         start_ranks: Callable[[], RankRoles],
         image_refs: ImageRefs | None = None,
         checkpoints: CheckpointManager | None = None,
+        startup: PhaseTimes | None = None,
     ) -> None:
         self.config = config
         self.image_refs = image_refs  # batches carry image references, not pixels (vlrl.batch.image_refs)
@@ -131,7 +140,12 @@ class PPOTrainer:
             lambda *probe: self.ranks.call_all(RankWorker.probe_shared_path, *probe),
         )
         self.calls = EngineCalls(config, self.engines, rewards, self.scorer, data.pad_token_id, image_refs)
-        flow = self._setup_ranks()
+        startup = startup or PhaseTimes("startup")
+        with startup.phase("models"):
+            flow, rank_setup = self._setup_ranks()
+        first = "the first rollout rank" if self.roles.separate else "rank 0"
+        print(f"[vlrl] start-up {startup.brief()} ({first}'s models: {_setup_phases(rank_setup)})",
+              file=sys.stderr, flush=True)  # fmt: skip
 
         def next_prompts() -> PromptBatch:
             return self.data.next_train_batch()  # through `self.data`, whatever it is by then
@@ -147,25 +161,25 @@ class PPOTrainer:
             data.pad_token_id,
         )  # fmt: skip
 
-    def _setup_ranks(self) -> AsyncRollout | None:
+    def _setup_ranks(self) -> tuple[AsyncRollout | None, dict[str, float]]:
         """Load the models and engines (both roles at once in asynchronous mode, which then also
-        forms the weight-broadcast group and checks both roles ban the same tokens)."""
+        forms the weight-broadcast group and checks both roles ban the same tokens). Returns the
+        asynchronous flow (None when synchronous) and the first engine rank's setup metrics."""
         args = (
             self.data.max_images_per_prompt, self._optimizer_steps(), self.data.max_videos_per_prompt,
             self.calls.rank_scoring,
         )  # fmt: skip
         if not self.roles.separate:
-            self.ranks.call_all(RankWorker.setup, *args)
-            return None
-        for loading in [self.ranks.submit(RankWorker.setup, *([a] * len(self.ranks.workers) for a in args)),
-                        self.engines.submit(RankWorker.setup, *([a] * len(self.engines.workers) for a in args))]:  # fmt: skip
-            loading.result()
+            return None, self.ranks.call_all(RankWorker.setup, *args)[0]
+        loading = [self.ranks.submit(RankWorker.setup, *([a] * len(self.ranks.workers) for a in args)),
+                   self.engines.submit(RankWorker.setup, *([a] * len(self.engines.workers) for a in args))]  # fmt: skip
+        engine_setup = [pending.result() for pending in loading][1][0]
         actor_banned = self.ranks.call_all(RankWorker.banned_token_ids)[0]
         for engine_banned in self.engines.call_all(RankWorker.banned_token_ids):
             check_same_banned_tokens(engine_banned, actor_banned)
         flow = AsyncRollout(self.roles, self.config.worker.rollout.max_staleness)
         flow.connect(lambda: self.ranks.call_all(RankWorker.free_address)[0])
-        return flow
+        return flow, engine_setup
 
     def _save_steps(self) -> list[int]:
         """Steps this run saves a checkpoint at: every `save_freq`, and the last."""

@@ -37,5 +37,10 @@ class PhaseTimes:
     def describe(self) -> str:
         return ", ".join(f"{name} {s:.2f} s" for name, s in self.metrics().items())
 
+    def brief(self) -> str:
+        """`total 12.3 s: phase 1.2 s, ...` (one decimal)."""
+        phases = ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
+        return f"{time.perf_counter() - self._start:.1f} s: {phases}"
+
     def print_to_stderr(self, who: str) -> None:
         print(f"[vlrl] {who} {self.describe()}", file=sys.stderr, flush=True)
