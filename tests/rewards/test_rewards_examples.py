@@ -216,3 +216,23 @@ def test_reveal_demo_reward(response, trajectory, overall, acc, called):
     assert no_bonus["overall"] == acc
     with pytest.raises(ValueError, match="multi_turn"):
         fn({"response": response, "ground_truth": "red"})
+
+
+def test_the_shipped_reward_files_load_without_torch_or_transformers() -> None:
+    """Each reward worker is a process of its own that imports the file: torch and transformers
+    there cost ~3 s of start-up and ~650 MB per worker (shapes.py reads its vocabulary from
+    vlrl.data.synthetic, whose package imports them only on first use)."""
+    import subprocess
+    import sys
+
+    files = sorted(EXAMPLES.glob("*.py"))
+    assert {f.stem for f in files} >= {"shapes", "reveal_demo", "r1v", "dapo", "boxed_math"}
+    check = (
+        "import sys\nfrom vlrl.rewards import load_reward_function\n"
+        f"for path in {[str(f) for f in files]!r}:\n"
+        "    load_reward_function(path + ':compute_score')\n"
+        "heavy = sorted({'torch', 'transformers'} & set(sys.modules))\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
