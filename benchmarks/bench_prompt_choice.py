@@ -1,7 +1,7 @@
 """Choosing prompts on the reasoning quickstart: today's shuffle, online filtering, the pass-rate sampler.
 
     .venv/bin/python benchmarks/bench_prompt_choice.py [--seeds 0 1 2] [--steps 150] [--n-train 2048]
-        [--train-rows N] [--modes shuffle filter pass_rate] [--out outputs/bench_prompt_choice]
+        [--train-rows N] [--modes shuffle filter pass_rate] [--val-every N] [--out outputs/bench_prompt_choice]
 
 For each data seed, `examples/prepare_reasoning.py --seed S` builds the data and the warmed-up model
 (once, kept in OUT/seedS), then each mode runs the real CLI on `examples/reasoning_quickstart.yaml`
@@ -16,6 +16,14 @@ The table, per seed and mode: the step and the training seconds (sum of timing/s
 10-step mean of training accuracy first reaches 0.8; the samples generated per mixed group (a group
 whose `overall` rewards differ: the only kind GRPO learns from) over the steps up to there and over
 the whole run; seconds per step; the last 10 steps' accuracy. Medians over the seeds close it.
+
+Training accuracy is measured on the prompts each mode chose, so it favours the modes that avoid
+hard prompts and penalises the pass-rate sampler, which draws prompts the policy fails half the
+time. `--val-every N` (default 10; 0: none, and no validation set is loaded) also validates on the
+held-out set (128 prompts, greedy) before training and every N steps, and reports the first step
+whose validation accuracy reaches 0.8 and the training seconds to it: the same yardstick for every
+mode. Runs with validation go to `MODE_valN` folders (validation draws from the engine, so their
+trajectories differ from the runs without it).
 """
 
 from __future__ import annotations
@@ -51,15 +59,15 @@ def train_file(data: Path, rows: int | None) -> Path:
     return part
 
 
-def run(data: Path, train: Path, out: Path, mode: str, steps: int) -> list[dict[str, float]]:
-    """One CLI run; its metrics by step (rows of a step merged)."""
+def run(data: Path, train: Path, out: Path, mode: str, steps: int, val_every: int) -> list[dict[str, float]]:
+    """One CLI run; its metrics by step (rows of a step merged; step 0: the validation before training)."""
     metrics = out / "ckpt" / "logs" / "metrics.jsonl"
     if not metrics.exists():
         args = [
             "config=examples/reasoning_quickstart.yaml",
             f"data.train_files={train}",
             f"worker.actor.model.model_path={data / 'model'}", f"trainer.max_steps={steps}",
-            "trainer.val_before_train=false", "trainer.val_freq=-1", "data.val_files=",
+            *validation(data, val_every),
             f"trainer.save_checkpoint_path={out / 'ckpt'}", "trainer.logger=[file]", "trainer.plot_path=null",
             *MODES[mode],
         ]  # fmt: skip
@@ -75,7 +83,15 @@ def run(data: Path, train: Path, out: Path, mode: str, steps: int) -> list[dict[
     for line in metrics.read_text().splitlines():
         row = json.loads(line)
         by_step.setdefault(int(row["step"]), {}).update(row)
-    return [row for _, row in sorted(by_step.items()) if "timing/step" in row]
+    return [row for step, row in sorted(by_step.items()) if "timing/step" in row or step == 0]
+
+
+def validation(data: Path, every: int) -> list[str]:
+    """The overrides for greedy validation on the held-out set every `every` steps (0: none)."""
+    if not every:
+        return ["trainer.val_before_train=false", "trainer.val_freq=-1", "data.val_files="]
+    val = data / "data" / "val.jsonl"
+    return [f"data.val_files={val}", "trainer.val_before_train=true", f"trainer.val_freq={every}"]
 
 
 def samples_per_mixed(rows: list[dict[str, float]]) -> float:
@@ -88,7 +104,8 @@ def samples_per_mixed(rows: list[dict[str, float]]) -> float:
     return samples / mixed if mixed else float("inf")
 
 
-def summary(rows: list[dict[str, float]]) -> dict[str, float]:
+def summary(all_rows: list[dict[str, float]]) -> dict[str, float]:
+    rows = [r for r in all_rows if "timing/step" in r]
     accuracy = [r["reward/accuracy"] for r in rows]
     reached = next(
         (
@@ -105,6 +122,26 @@ def summary(rows: list[dict[str, float]]) -> dict[str, float]:
         "spmg": samples_per_mixed(rows),
         "s_per_step": statistics.fmean(r["timing/step"] for r in rows[1:]),
         "last10": statistics.fmean(accuracy[-WINDOW:]),
+        **held_out(all_rows),
+    }
+
+
+def held_out(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The first step whose validation accuracy reaches TARGET, the training seconds to it, and the
+    first and last validation accuracy (NaN without validation)."""
+    val = [(int(r["step"]), r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    nan = float("nan")
+    step = next((s for s, acc in val if acc >= TARGET), None)
+    seconds = (
+        nan
+        if step is None
+        else sum(r["timing/step"] for r in rows if "timing/step" in r and r["step"] <= step)
+    )
+    return {
+        "val_steps_to": nan if step is None else float(step),
+        "val_seconds_to": seconds,
+        "val_first": val[0][1] if val else nan,
+        "val_last": val[-1][1] if val else nan,
     }
 
 
@@ -115,6 +152,10 @@ COLUMNS = {
     "spmg": ("samples/mixed group (run)", "{:.2f}"),
     "s_per_step": ("s/step", "{:.2f}"),
     "last10": ("last-10 acc", "{:.3f}"),
+    "val_steps_to": ("val >= 0.8 at", "{:.0f}"),
+    "val_seconds_to": ("s to val 0.8", "{:.0f}"),
+    "val_first": ("val first", "{:.3f}"),
+    "val_last": ("val last", "{:.3f}"),
 }
 
 
@@ -127,6 +168,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--n-train", type=int, default=2048)
     parser.add_argument("--train-rows", type=int, help="train on the first N rows of the training file")
+    parser.add_argument("--val-every", type=int, default=10, help="validate every N steps (0: never)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_prompt_choice")
     args = parser.parse_args()
     results: dict[tuple[int, str], dict[str, float]] = {}
@@ -135,8 +177,9 @@ def main() -> None:
         prepare(data, seed, args.n_train)
         train = train_file(data, args.train_rows)
         for mode in args.modes:
-            folder = data / (mode if args.train_rows is None else f"{mode}_first{args.train_rows}")
-            results[seed, mode] = summary(run(data, train, folder, mode, args.steps))
+            name = mode if args.train_rows is None else f"{mode}_first{args.train_rows}"
+            folder = data / (f"{name}_val{args.val_every}" if args.val_every else name)
+            results[seed, mode] = summary(run(data, train, folder, mode, args.steps, args.val_every))
             print(f"seed {seed} {mode}: {results[seed, mode]}", flush=True)
     header = ["seed", "mode", *(title for title, _ in COLUMNS.values())]
     lines = [header]
