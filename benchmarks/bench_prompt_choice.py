@@ -17,13 +17,12 @@ The table, per seed and mode: the step and the training seconds (sum of timing/s
 whose `overall` rewards differ: the only kind GRPO learns from) over the steps up to there and over
 the whole run; seconds per step; the last 10 steps' accuracy. Medians over the seeds close it.
 
-Training accuracy is measured on the prompts each mode chose, so it favours the modes that avoid
-hard prompts and penalises the pass-rate sampler, which draws prompts the policy fails half the
-time. `--val-every N` (default 10; 0: none, and no validation set is loaded) also validates on the
+Training accuracy is measured on the prompts each mode chose, so it could understate a mode that
+draws harder prompts (the pass-rate sampler draws those likely to give mixed groups). `--val-every N` (default 10; 0: none, and no validation set is loaded) also validates on the
 held-out set (128 prompts, greedy) before training and every N steps, and reports the first step
 whose validation accuracy reaches 0.8 and the training seconds to it: the same yardstick for every
-mode. Runs with validation go to `MODE_valN` folders (validation draws from the engine, so their
-trajectories differ from the runs without it).
+mode. Runs with validation go to `MODE_valN` folders (measured on data seed 1: validation does not
+move the training trajectory; the training columns repeat the runs without it to the digit).
 """
 
 from __future__ import annotations
