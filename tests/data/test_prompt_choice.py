@@ -84,6 +84,25 @@ def test_the_sampler_draws_prompts_by_their_chance_of_a_mixed_group_and_revisits
     assert all(r < 20 for r in PassRateSampler(stats, 8, seed=1, revisit_share=0.0).rank(rows, 10, 0)[:20])
 
 
+def test_prompts_never_drawn_come_before_every_prompt_seen() -> None:
+    """A first pass through the data draws as a shuffle does: 0-9 gave mixed groups (the highest
+    chance there is), 10-14 are drawn and not scored yet, 15-39 were never drawn."""
+    stats = PromptStats(range(40))
+    for uid in range(10):
+        _record(stats, uid, [1.0, 0.0] * 4)
+    stats.mark_pending(list(range(10, 15)))
+    rows, fresh = torch.arange(40), set(range(15, 40))
+    batches = [PassRateSampler(stats, 8, seed=1, revisit_share=0.0).rank(rows, 16, d) for d in range(200)]
+    assert all(set(b[:16]) <= fresh for b in batches)
+    assert all(set(b[25:35]) == set(range(10)) and set(b[35:]) == set(range(10, 15)) for b in batches)
+    firsts = [b[0] for b in batches]  # the never-drawn rows in a random order, each about as often
+    assert set(firsts) == fresh and max(firsts.count(r) for r in fresh) < 25
+    for uid in range(15, 37):  # 3 never drawn are left: they come first, then the seen by chance
+        _record(stats, uid, [1.0] * 8)
+    ranked = PassRateSampler(stats, 8, seed=1, revisit_share=0.0).rank(rows, 16, 0)
+    assert set(ranked[:3]) == {37, 38, 39} and set(ranked[3:16]) <= set(range(10)) | set(range(15, 37))
+
+
 def test_mixing_shares_stay_within_one_prompt_of_the_weights() -> None:
     entries = [torch.arange(0, 100), torch.arange(100, 107)]  # the small entry is cycled through
     mix = SourceMix(entries, [0.75, 0.25], seed=1, within=None)

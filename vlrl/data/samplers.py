@@ -6,8 +6,11 @@ pass rate of the prompts seen so far (0.5 before any), prior weight 2 samples, p
 passes and fails (`PromptStats.recent_pass` / `recent_fail`). The chance that a group of n samples
 is mixed is 1 - E[p^n] - E[(1-p)^n] (Beta moments: E[p^n] = B(a+n, b) / B(a, b)). A batch draws
 (1 - revisit_share) of its prompts by that chance, without replacement (Efraimidis-Spirakis keys),
-and the rest uniformly, so that solved and hopeless prompts are looked at again. Prompts whose
-scores have not come back yet (`PromptStats.pending`) are not drawn while others are left.
+and the rest uniformly, so that solved and hopeless prompts are looked at again. Prompts never
+drawn come before every prompt seen (in a random order: over a first pass through the data the
+sampler draws as a shuffle does, and a prompt's first group is not traded for another group of a
+prompt seen). Prompts whose scores have not come back yet (`PromptStats.pending`) are not drawn
+while others are left.
 
 `SourceMix` (`data.train_weights`): each batch takes its prompts from the entries of
 `data.train_files` in proportion to the weights (a slot goes to the entry furthest behind its share,
@@ -70,12 +73,15 @@ class PassRateSampler:
         seen = stats.attempts > 0
         prior = float(stats.pass_sum[seen].sum() / stats.attempts[seen].sum()) if bool(seen.any()) else 0.5
         chance = mixed_group_chance(stats.recent_pass[rows], stats.recent_fail[rows], self.n, prior)
-        weighted_keys = torch.rand(len(rows), generator=generator, dtype=torch.float64).log() / chance.clamp(
-            min=1e-12
-        )
+        random = torch.rand(len(rows), generator=generator, dtype=torch.float64)
+        weighted_keys = random.log() / chance.clamp(min=1e-12)  # <= 0
         uniform_keys = torch.rand(len(rows), generator=generator, dtype=torch.float64)
-        # pending rows rank after every other row (they are drawn only when nothing else is left)
+        # Rows never drawn rank first (keys > 0, in a random order): the sampler knows nothing of
+        # them, and a prompt's first group teaches more than another group of a prompt seen. Pending
+        # rows (drawn, scores not back) rank after every other row.
         pending = stats.pending[rows]
+        never_drawn = (stats.attempts[rows] == 0) & ~pending
+        weighted_keys[never_drawn] = 1.0 + random[never_drawn]
         weighted_keys[pending] = -float("inf")
         by_weight = torch.argsort(weighted_keys, descending=True, stable=True)
         n_revisit = min(round(self.revisit_share * size), len(rows))
