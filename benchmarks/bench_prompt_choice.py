@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -144,6 +145,16 @@ def held_out(rows: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
+def median_over_seeds(values: list[float], column: str) -> float:
+    """The median of a column over seeds. A run that never reached 0.8 (NaN in a "to 0.8" column)
+    counts as later than every run that did (inf), so it is neither dropped nor made the median by
+    NaN's ordering; other columns' NaNs (no validation) stay NaN."""
+    if column in REACHED_COLUMNS:
+        values = [math.inf if math.isnan(v) else v for v in values]
+    return statistics.median(values)
+
+
+REACHED_COLUMNS = ("steps_to", "seconds_to", "val_steps_to", "val_seconds_to")
 COLUMNS = {
     "steps_to": ("steps to 0.8", "{:.0f}"),
     "seconds_to": ("s to 0.8", "{:.0f}"),
@@ -186,7 +197,7 @@ def main() -> None:
         lines.append([str(seed), mode, *(fmt.format(values[k]) for k, (_, fmt) in COLUMNS.items())])
     for mode in args.modes:
         per_seed = [results[s, mode] for s in args.seeds]
-        medians = {k: statistics.median(v[k] for v in per_seed) for k in COLUMNS}
+        medians = {k: median_over_seeds([v[k] for v in per_seed], k) for k in COLUMNS}
         lines.append(["median", mode, *(fmt.format(medians[k]) for k, (_, fmt) in COLUMNS.items())])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     rows = args.n_train if args.train_rows is None else args.train_rows
