@@ -77,8 +77,8 @@ class PassRateSampler:
         weighted_keys = random.log() / chance.clamp(min=1e-12)  # <= 0
         uniform_keys = torch.rand(len(rows), generator=generator, dtype=torch.float64)
         # Rows never drawn rank first (keys > 0, in a random order): the sampler knows nothing of
-        # them, and a prompt's first group teaches more than another group of a prompt seen. Pending
-        # rows (drawn, scores not back) rank after every other row.
+        # them, so a first pass draws as a shuffle does instead of redrawing the prompts that gave
+        # mixed groups ahead of new ones. Pending rows (drawn, scores not back) rank last.
         pending = stats.pending[rows]
         never_drawn = (stats.attempts[rows] == 0) & ~pending
         weighted_keys[never_drawn] = 1.0 + random[never_drawn]
