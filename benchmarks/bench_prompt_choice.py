@@ -148,9 +148,12 @@ def held_out(rows: list[dict[str, float]]) -> dict[str, float]:
 def median_over_seeds(values: list[float], column: str) -> float:
     """The median of a column over seeds. A run that never reached 0.8 (NaN in a "to 0.8" column)
     counts as later than every run that did (inf), so it is neither dropped nor made the median by
-    NaN's ordering; other columns' NaNs (no validation) stay NaN."""
+    NaN's ordering; in other columns a NaN (no validation; samples up to a 0.8 never reached) makes
+    the median NaN."""
     if column in REACHED_COLUMNS:
         values = [math.inf if math.isnan(v) else v for v in values]
+    elif any(math.isnan(v) for v in values):
+        return math.nan
     return statistics.median(values)
 
 
