@@ -114,6 +114,8 @@ def run_engine(rank: int, world_size: int, port: int, model_dir: str, out_dir: s
     result["greedy_s"] = time.perf_counter() - start
     loop.config.overlap_tools = True  # which calls have finished at a step: the leader's timing
     result["overlap"] = _facts(engine.generate(prompts, SAMPLED))
+    # frames torch.compile traced in this process (vllm_engine.eager_small_helpers: none on CPU)
+    result["compiled_frames"] = torch._dynamo.utils.counters["frames"]["total"]
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     engine.close()
     close_world()

@@ -78,6 +78,8 @@ def test_tp2_peers_queue_the_leaders_tool_turns(taught, tmp_path):
     )
     leader, peer = _load_ranks(tmp_path, 2)
     assert leader["has_pool"] and not peer["has_pool"]  # tool workers on the leader only
+    # nothing compiled: the embedding's shard mask and the token ranks ran eagerly on CPU
+    assert leader["compiled_frames"] == peer["compiled_frames"] == 0
     submitted = _submissions(tmp_path, 0)
     assert len(submitted) >= 4 and submitted == _submissions(tmp_path, 1)  # two calls, each >= 2 batches
     for mode in ("greedy", "overlap"):

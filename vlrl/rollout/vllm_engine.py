@@ -167,17 +167,25 @@ def _dist_layout(tp: int) -> tuple[int, int]:
     return rank, rank // tp
 
 
-def eager_token_ranks() -> None:
-    """CPU only: vLLM's sampler computes each sampled token's rank with a `torch.compile`d function
-    (`batched_count_greater_than`, vllm/v1/sample/ops/logprobs.py, called from `Sampler` in
-    vllm/v1/sample/sampler.py); on CPU inductor compiles it to C++ at the first generation of every
-    rank process (4-11 s measured here, for `(x >= values).sum(-1)`). The uncompiled function gives
-    the same integer counts; on GPU the compiled one stays (it avoids a (tokens x vocab) temporary)."""
+def eager_small_helpers() -> None:
+    """CPU only: run eagerly the small tensor helpers vLLM wraps in `torch.compile` with its
+    platform's `simple_compile_backend` (inductor on CPU, vllm/platforms/interface.py), which the
+    engine's own `enforce_eager` does not reach. On CPU inductor compiles each to C++ (needs a C++
+    compiler) at the first generation of every rank process: 4-11 s measured here on a cold cache,
+    and about 1 s of tracing and cache loading per rank on a warm one. The uncompiled functions
+    give the same values; on GPU the compiled ones stay (they avoid (tokens x vocab) temporaries).
+    - `batched_count_greater_than` (vllm/v1/sample/ops/logprobs.py): each sampled token's rank,
+      called from `Sampler` (vllm/v1/sample/sampler.py) whenever log-probs are asked for;
+    - `get_masked_input_and_mask` (vllm/model_executor/layers/vocab_parallel_embedding.py): the
+      embedding's vocabulary-shard mask, called at every step with tensor parallelism > 1."""
+    from vllm.model_executor.layers import vocab_parallel_embedding
     from vllm.v1.sample import sampler
 
-    eager = getattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable", None)
-    if eager is not None:
-        sampler.batched_count_greater_than = eager
+    for module, name in ((sampler, "batched_count_greater_than"),
+                         (vocab_parallel_embedding, "get_masked_input_and_mask")):  # fmt: skip
+        eager = getattr(getattr(module, name), "_torchdynamo_orig_callable", None)
+        if eager is not None:
+            setattr(module, name, eager)
 
 
 def freeze_start_up_heap() -> None:
@@ -390,7 +398,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self._shm_ident = vllm_hooks.next_cpu_shm_ident(c.tensor_parallel_size)
             vllm_hooks.use_cpu_shm_ident(self._shm_ident)
         if not self.on_gpu:
-            eager_token_ranks()
+            eager_small_helpers()
         freeze_start_up_heap()
         try:
             llm = LLM(**kwargs)
