@@ -169,10 +169,11 @@ def _dist_layout(tp: int) -> tuple[int, int]:
 
 def eager_small_helpers() -> None:
     """CPU only: run eagerly the small tensor helpers vLLM wraps in `torch.compile` with its
-    platform's `simple_compile_backend` (inductor on CPU, vllm/platforms/interface.py), which the
-    engine's own `enforce_eager` does not reach. On CPU inductor compiles each to C++ (needs a C++
-    compiler) at the first generation of every rank process: 4-11 s measured here on a cold cache,
-    and about 1 s of tracing and cache loading per rank on a warm one. The uncompiled functions
+    platform's `simple_compile_backend` (inductor on CPU; vllm 0.32, vllm/platforms/interface.py),
+    which the engine's own `enforce_eager` does not reach. On CPU inductor compiles each to C++
+    (needs a C++ compiler) at the first generation of every rank process: on a cold cache that
+    generation took 18.5 s here, on a warm one a TP=2 run's first step took 6-7 s against 2.5 s
+    eager (tracing and loading the kernel per rank, the TP peer waiting). The uncompiled functions
     give the same values; on GPU the compiled ones stay (they avoid (tokens x vocab) temporaries).
     - `batched_count_greater_than` (vllm/v1/sample/ops/logprobs.py): each sampled token's rank,
       called from `Sampler` (vllm/v1/sample/sampler.py) whenever log-probs are asked for;
