@@ -486,10 +486,7 @@ class RolloutConfig(_Section):
     after the other (the default)."""
     max_staleness: int = 1
     """Asynchronous mode: updates the sampling policy may lag the trained one (generation runs up to
-    k steps ahead, weights sent in the background for k >= 2; docs/async.md); 0: no overlap. For
-    k >= 2, `worker.actor.clip_ratio_dual` at 1 + `clip_ratio_high` and a short LR warm-up kept the
-    quickstart within 0.05 of synchronous training at k = 2 on 8 seeds, but not the reasoning
-    quickstart (one run; docs/async.md)."""
+    k steps ahead, weights sent in the background for k >= 2; docs/async.md); 0: no overlap."""
     partial_rollouts: bool = False
     """Asynchronous mode, `max_staleness` >= 2: engines take new weights between two engine steps,
     inside a generation; each token records the policy version that sampled it (docs/async.md)."""
