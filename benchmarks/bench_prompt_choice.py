@@ -12,7 +12,12 @@ goes round many times in a run, where a prompt's pass rate is known when it come
     filter      algorithm.online_filtering=true (DAPO's: groups whose `overall` rewards are all equal
                 are dropped and more rounds are generated until 16 groups are kept)
     pass_rate   data.sampler=pass_rate
-The table, per seed and mode: the step and the training seconds (sum of timing/step) at which the
+    pass_rate_filter  both: the sampler chooses each round's prompts, the filter drops the groups whose
+                rewards are all equal (filtering's extra rounds draw more prompts per step, so the
+                sampler sees prompts come back within a 2048-prompt run)
+A run that stops early (with filtering: a batch left unfilled after `trainer.max_try_make_batch`
+rounds) is summarised up to its last step, its error line kept in FOLDER/stopped.txt and printed.
+The table, per seed and mode: the steps run, the step and the training seconds (sum of timing/step) at which the
 10-step mean of training accuracy first reaches 0.8; the samples generated per mixed group (a group
 whose `overall` rewards differ: the only kind GRPO learns from) over the steps up to there and over
 the whole run; seconds per step; the last 10 steps' accuracy. Medians over the seeds close it.
@@ -41,6 +46,7 @@ MODES = {
     "shuffle": [],
     "filter": ["algorithm.online_filtering=true"],
     "pass_rate": ["data.sampler=pass_rate"],
+    "pass_rate_filter": ["data.sampler=pass_rate", "algorithm.online_filtering=true"],
 }
 
 
@@ -77,13 +83,21 @@ def run(data: Path, train: Path, out: Path, mode: str, steps: int, val_every: in
             done = subprocess.run(
                 [sys.executable, "-m", "vlrl.trainer.main", *args], cwd=ROOT, stdout=f, stderr=f
             )
-        if done.returncode != 0:
-            raise SystemExit(f"{mode} failed: see {log}")
+        if done.returncode != 0:  # summarised up to where it stopped (with filtering: a batch not filled)
+            (out / "stopped.txt").write_text(_reason(log))
+            if not metrics.exists():
+                raise SystemExit(f"{mode} failed before its first step: see {log}")
     by_step: dict[int, dict[str, float]] = {}
     for line in metrics.read_text().splitlines():
         row = json.loads(line)
         by_step.setdefault(int(row["step"]), {}).update(row)
     return [row for step, row in sorted(by_step.items()) if "timing/step" in row or step == 0]
+
+
+def _reason(log: Path) -> str:
+    """The run's closing error line ("vlrl: training failed: ...")."""
+    lines = [line for line in log.read_text().splitlines() if line.startswith("vlrl: ")]
+    return lines[-1] if lines else "exited with an error"
 
 
 def validation(data: Path, every: int) -> list[str]:
@@ -116,6 +130,7 @@ def summary(all_rows: list[dict[str, float]]) -> dict[str, float]:
         None,
     )
     return {
+        "steps_run": float(len(rows)),
         "steps_to": float(reached) if reached else float("nan"),
         "seconds_to": sum(r["timing/step"] for r in rows[:reached]) if reached else float("nan"),
         "spmg_to": samples_per_mixed(rows[:reached]) if reached else float("nan"),
@@ -159,6 +174,7 @@ def median_over_seeds(values: list[float], column: str) -> float:
 
 REACHED_COLUMNS = ("steps_to", "seconds_to", "val_steps_to", "val_seconds_to")
 COLUMNS = {
+    "steps_run": ("steps run", "{:.0f}"),
     "steps_to": ("steps to 0.8", "{:.0f}"),
     "seconds_to": ("s to 0.8", "{:.0f}"),
     "spmg_to": ("samples/mixed group to 0.8", "{:.2f}"),
@@ -193,7 +209,9 @@ def main() -> None:
             name = mode if args.train_rows is None else f"{mode}_first{args.train_rows}"
             folder = data / (f"{name}_val{args.val_every}" if args.val_every else name)
             results[seed, mode] = summary(run(data, train, folder, mode, args.steps, args.val_every))
-            print(f"seed {seed} {mode}: {results[seed, mode]}", flush=True)
+            stopped = folder / "stopped.txt"
+            note = f" (stopped: {stopped.read_text()})" if stopped.exists() else ""
+            print(f"seed {seed} {mode}: {results[seed, mode]}{note}", flush=True)
     header = ["seed", "mode", *(title for title, _ in COLUMNS.values())]
     lines = [header]
     for (seed, mode), values in results.items():

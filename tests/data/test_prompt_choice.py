@@ -4,6 +4,7 @@ resuming all of them exactly."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -30,12 +31,28 @@ def test_statistics_by_hand() -> None:
     assert stats.attempts.tolist() == [0, 8, 2]
     assert stats.reward_sum.tolist() == [0.0, 0.5 * 5 + 0.5 * 8, 1.0]
     assert stats.pass_sum.tolist() == [0.0, 5.0, 1.0]
-    # each group weighs as much as all earlier ones: passes 1 -> 1/2 + 4; fails 3 -> 3/2 + 0
-    assert stats.recent_pass.tolist() == [0.0, 4.5, 1.0] and stats.recent_fail.tolist() == [0.0, 1.5, 1.0]
     assert stats.last_step.tolist() == [-1, 5, 3] and stats.pending.tolist() == [False, False, False]
+    # each group weighs as much as all earlier ones: uid 30's evidence 4 -> 4/2 + 4
+    assert stats.evidence.tolist() == [0.0, 6.0, 2.0]
+    # the level, by hand: round 1 (uid 30, 1 of 4 at level 0): score 1 - 2, information 4/4: -1;
+    # round 2 (uid 20, 1 of 2, expected s(-1) = 0.269 each): +0.462 / 0.393 = +1.18, capped at +1;
+    # round 3 (uid 30, 4 of 4, expected 0.484 each): +2.06 / 0.999, capped: level 1
+    s, logit = lambda x: 1 / (1 + math.exp(-x)), lambda p: math.log(p / (1 - p))  # noqa: E731
+    assert stats.level.item() == 1.0
+    # uid 30: prior s(-1) weight 2, then 1 of 4 -> posterior 1; at level 0 its belief is s(-1 + o1),
+    # weight 4/2 + 2, then 4 of 4 -> posterior 2
+    o1 = logit((2 * s(-1) + 1) / 6) + 1
+    o30 = logit((4 * s(1 + o1) + 4) / 8) - 1
+    assert stats.offset.tolist() == pytest.approx([0.0, o30, 0.0], abs=1e-6)  # uid 20: (2 * 0.5 + 1) / 4
+    mean, concentration = stats.belief(torch.tensor([0, 1]))  # uid 10, never seen: the level's
+    assert mean.tolist() == pytest.approx([s(1), s(1 + o30)]) and concentration.tolist() == [2.0, 8.0]
     metrics = stats.metrics()  # pass rates 5/8 and 1/2: one in the bin from 0.6, one from 0.5
     hist = {key: metrics.pop(key) for key in list(metrics) if key.startswith("prompts/pass_rate_hist/")}
-    assert metrics == {"prompts/seen_share": 2 / 3, "prompts/pass_rate_mean": (5 / 8 + 1 / 2) / 2}
+    assert metrics == {
+        "prompts/seen_share": 2 / 3,
+        "prompts/pass_rate_mean": (5 / 8 + 1 / 2) / 2,
+        "prompts/level_pass_rate": pytest.approx(s(1)),
+    }
     assert hist == {f"prompts/pass_rate_hist/{b / 10:.1f}": 0.5 if b in (5, 6) else 0.0 for b in range(10)}
     with pytest.raises(KeyError, match="uid 40"):
         stats.record([40], [{"overall": 1.0}], 1)
@@ -44,12 +61,12 @@ def test_statistics_by_hand() -> None:
 
 def test_mixed_group_chance_is_the_beta_moments() -> None:
     # a flat prior (mean 0.5, weight 2 = Beta(1, 1)): E[p^n] = 1 / (n + 1)
-    flat = mixed_group_chance(torch.zeros(1), torch.zeros(1), 8, 0.5)
+    flat = mixed_group_chance(torch.tensor([0.5]), torch.tensor([2.0]), 8)
     assert flat.item() == pytest.approx(1 - 2 / 9)
-    # Beta(1 + 2, 1 + 0), n = 2: E[p^2] = 3*4/(4*5) = 3/5, E[(1-p)^2] = 1*2/(4*5) = 1/10
-    seen = mixed_group_chance(torch.tensor([2.0]), torch.tensor([0.0]), 2, 0.5)
+    # Beta(3, 1), n = 2: E[p^2] = 3*4/(4*5) = 3/5, E[(1-p)^2] = 1*2/(4*5) = 1/10
+    seen = mixed_group_chance(torch.tensor([0.75]), torch.tensor([4.0]), 2)
     assert seen.item() == pytest.approx(1 - 3 / 5 - 1 / 10)
-    solved = mixed_group_chance(torch.tensor([16.0]), torch.tensor([0.0]), 8, 0.5)
+    solved = mixed_group_chance(torch.tensor([17 / 18]), torch.tensor([18.0]), 8)  # Beta(17, 1)
     assert solved.item() == pytest.approx(1 - 17 / 25 - 0.0, abs=1e-6)  # E[p^8] = 17/25; E[(1-p)^8] ~ 1e-7
     assert solved.item() < 0.4 < flat.item()
 
@@ -66,7 +83,7 @@ def test_the_sampler_draws_prompts_by_their_chance_of_a_mixed_group_and_revisits
     stats = _stats_with_kinds()
     rows = torch.arange(30)
     # one prompt per batch: drawn with probability proportional to its chance of a mixed group
-    chance = mixed_group_chance(stats.recent_pass, stats.recent_fail, 8, prior_mean=0.5)
+    chance = mixed_group_chance(*stats.belief(rows), 8)
     expected_mixed = float(chance[20:].sum() / chance.sum())
     firsts = [
         PassRateSampler(stats, 8, seed=1, revisit_share=0.0).rank(rows, 1, draw)[0] for draw in range(3000)
@@ -82,6 +99,36 @@ def test_the_sampler_draws_prompts_by_their_chance_of_a_mixed_group_and_revisits
     assert sum(r >= 20 for r in uniform) / 3000 == pytest.approx(1 / 3, abs=0.03)
     stats.mark_pending(list(range(20, 30)))  # drawn, not scored yet: every other row comes first
     assert all(r < 20 for r in PassRateSampler(stats, 8, seed=1, revisit_share=0.0).rank(rows, 10, 0)[:20])
+
+
+def test_a_prompt_mixed_while_the_policy_was_weak_is_expected_solved_once_it_is_strong() -> None:
+    """Prompts 0-9 scored 4 of 8 at the start; the policy then solves 10-19 three times over, and
+    scores 20-29 4 of 8. The same recent evidence (4 of 8) means a harder prompt now: 20-29 are the
+    likely mixed groups, 0-9 likely solved, and the sampler draws accordingly."""
+    stats = PromptStats(range(30))
+
+    def round_(uids: range, passes: int, step: int) -> None:
+        parts = [{"overall": float(i < passes)} for _ in uids for i in range(8)]
+        stats.record([u for u in uids for _ in range(8)], parts, step)
+
+    levels = []
+    for uids, passes, step in [
+        (range(10), 4, 1),
+        *[(range(10, 20), 8, s) for s in (2, 3, 4)],
+        (range(20, 30), 4, 5),
+    ]:
+        round_(uids, passes, step)
+        levels.append(stats.level.item())
+    # 40 of 80 at level 0 as expected: no move; three rounds of all passes: +1 each (capped); then
+    # prompts never seen (offset 0, expected 0.95 at level 3) pass half the time: -1 (capped)
+    assert levels == [0.0, 1.0, 2.0, 3.0, 2.0]
+    mean, _ = stats.belief(torch.arange(30))
+    assert (mean[:10] > 0.85).all() and (mean[20:] < 0.6).all()
+    chance = mixed_group_chance(*stats.belief(torch.arange(30)), 8)
+    assert chance[20:].min() > 0.9 and chance[:10].max() < 0.6
+    sampler = PassRateSampler(stats, 8, seed=1, revisit_share=0.0)
+    drawn = [r for d in range(300) for r in sampler.rank(torch.arange(30), 5, d)[:5]]
+    assert sum(r >= 20 for r in drawn) > 1.4 * sum(r < 10 for r in drawn)
 
 
 def test_prompts_never_drawn_come_before_every_prompt_seen() -> None:

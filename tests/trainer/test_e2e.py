@@ -187,5 +187,5 @@ def test_async_mode_trains_off_policy_and_resumes_exactly(
     for step in again:
         for key in ("reward/overall", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
                     "rollout/log_prob_diff_mean", "async/staleness", "prompts/seen_share",
-                    "prompts/pass_rate_mean"):  # fmt: skip
+                    "prompts/pass_rate_mean", "prompts/level_pass_rate"):  # fmt: skip
             assert again[step][key] == pytest.approx(expected[step][key], rel=1e-6, abs=1e-9), (step, key)

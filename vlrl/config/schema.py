@@ -70,8 +70,8 @@ class DataConfig(_Section):
     """Which prompts a batch draws. shuffle: every prompt once per epoch, in a seeded shuffled order
     (`shuffle`, `seed`). pass_rate: prompts never drawn first (in a random order), then prompts
     whose groups are likely to disagree (GRPO learns only from those), by each prompt's pass rate
-    so far (its `accuracy` reward, else `overall`, which must be in [0, 1]); `revisit_share` of
-    each batch is drawn uniformly. An epoch is then
+    (its `accuracy` reward, else `overall`, which must be in [0, 1]) as it would be now, following
+    the policy's level as it learns; `revisit_share` of each batch is drawn uniformly. An epoch is then
     `len(data) / rollout_batch_size` batches, not every prompt once (docs/data.md, "Choosing prompts")."""
     curriculum: str | None = None
     """Easy to hard: `column:NAME` ranks prompts by a numeric column (low: easy), `pass_rate` by each

@@ -1,10 +1,10 @@
 """Which prompts a training batch draws, beyond the loader's plain per-epoch shuffle.
 
 `PassRateSampler` (`data.sampler=pass_rate`): draws prompts whose groups are likely to disagree,
-the only groups GRPO learns from. A prompt's pass rate p has a Beta posterior: prior mean the mean
-pass rate of the prompts seen so far (0.5 before any), prior weight 2 samples, plus its recent
-passes and fails (`PromptStats.recent_pass` / `recent_fail`). The chance that a group of n samples
-is mixed is 1 - E[p^n] - E[(1-p)^n] (Beta moments: E[p^n] = B(a+n, b) / B(a, b)). A batch draws
+the only groups GRPO learns from. A prompt's pass rate p now has a Beta belief
+(`PromptStats.belief`: its mean follows the policy's level as it learns, its concentration is the
+prompt's recent evidence plus a prior of 2 samples). The chance that a group of n samples is mixed
+is 1 - E[p^n] - E[(1-p)^n] (Beta moments: E[p^n] = B(a+n, b) / B(a, b)). A batch draws
 (1 - revisit_share) of its prompts by that chance, without replacement (Efraimidis-Spirakis keys),
 and the rest uniformly, so that solved and hopeless prompts are looked at again. Prompts never
 drawn come before every prompt seen (in a random order: over a first pass through the data the
@@ -30,9 +30,8 @@ from typing import Any
 
 import torch
 
-from vlrl.data.prompt_stats import PromptStats
+from vlrl.data.prompt_stats import PRIOR_WEIGHT, PromptStats
 
-PRIOR_WEIGHT = 2.0  # samples' worth of evidence in the prior
 SAMPLERS = ("shuffle", "pass_rate")
 
 
@@ -44,12 +43,11 @@ def _generator(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def mixed_group_chance(passes: torch.Tensor, fails: torch.Tensor, n: int, prior_mean: float) -> torch.Tensor:
-    """P(a group of `n` samples has both passes and fails) under each prompt's Beta posterior
-    Beta(prior_mean * 2 + passes, (1 - prior_mean) * 2 + fails). [P] float64"""
-    mean = min(max(prior_mean, 0.02), 0.98)
-    a = passes.double() + mean * PRIOR_WEIGHT
-    b = fails.double() + (1 - mean) * PRIOR_WEIGHT
+def mixed_group_chance(mean: torch.Tensor, concentration: torch.Tensor, n: int) -> torch.Tensor:
+    """P(a group of `n` samples has both passes and fails) when each prompt's pass rate is
+    Beta(mean * concentration, (1 - mean) * concentration). [P] float64"""
+    mean = mean.double().clamp(0.001, 0.999)
+    a, b = mean * concentration.double(), (1 - mean) * concentration.double()
 
     def log_beta(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.lgamma(x) + torch.lgamma(y) - torch.lgamma(x + y)
@@ -70,9 +68,7 @@ class PassRateSampler:
         """`rows` (dataset indices [R]) ordered for a batch of `size`: the first `size` are drawn, the
         rest are spares (a row that fails to load is replaced by the next) in their key order."""
         stats, generator = self.stats, _generator(self.seed, 7, draw, salt)
-        seen = stats.attempts > 0
-        prior = float(stats.pass_sum[seen].sum() / stats.attempts[seen].sum()) if bool(seen.any()) else 0.5
-        chance = mixed_group_chance(stats.recent_pass[rows], stats.recent_fail[rows], self.n, prior)
+        chance = mixed_group_chance(*stats.belief(rows), self.n)
         random = torch.rand(len(rows), generator=generator, dtype=torch.float64)
         weighted_keys = random.log() / chance.clamp(min=1e-12)  # <= 0
         uniform_keys = torch.rand(len(rows), generator=generator, dtype=torch.float64)
