@@ -162,6 +162,20 @@ def test_mixing_shares_stay_within_one_prompt_of_the_weights() -> None:
         assert sorted(small_rows[start : start + 7]) == list(range(100, 107))
 
 
+def test_statistics_saved_before_the_level_load_with_fresh_beliefs(caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint of an earlier vlrl (per-prompt recent passes and fails, no level) resumes: the
+    counts carry over, the beliefs start at the level's prior, and the log says so."""
+    stats = PromptStats([5, 6])
+    _record(stats, 6, [1.0, 0.0])
+    old = {k: v for k, v in stats.state_dict().items() if k not in ("offset", "evidence", "level")}
+    old.update(recent_pass=torch.tensor([0.0, 1.0]), recent_fail=torch.tensor([0.0, 1.0]))
+    resumed = PromptStats([5, 6])
+    resumed.load_state_dict(old)
+    assert resumed.attempts.tolist() == [0, 2] and resumed.pass_sum.tolist() == [0.0, 1.0]
+    assert resumed.level.item() == 0.0 and resumed.evidence.tolist() == [0.0, 0.0]
+    assert "predate the pass-rate sampler's level model" in caplog.text
+
+
 def test_a_mixed_pass_rate_loader_resumes_exactly() -> None:
     def loader(stats: PromptStats) -> StatefulPromptLoader:
         entries = [torch.arange(0, 14), torch.arange(14, 20)]
