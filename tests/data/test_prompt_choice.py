@@ -54,6 +54,8 @@ def test_statistics_by_hand() -> None:
         "prompts/level_pass_rate": pytest.approx(s(1)),
     }
     assert hist == {f"prompts/pass_rate_hist/{b / 10:.1f}": 0.5 if b in (5, 6) else 0.0 for b in range(10)}
+    stats.record([10, 10], [{"overall": -1.0}, {"overall": -1.0}], 6)  # not pass rates: beliefs stay finite
+    assert stats.offset.isfinite().all() and stats.level.isfinite() and stats.evidence[0] == 2.0
     with pytest.raises(KeyError, match="uid 40"):
         stats.record([40], [{"overall": 1.0}], 1)
     assert "'accuracy' reward is 2" in stats.pass_values_in_unit_range([{"overall": 1.0, "accuracy": 2.0}])

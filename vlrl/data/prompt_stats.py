@@ -108,6 +108,9 @@ class PromptStats:
         Fisher-scoring step of the model's log-likelihood over the groups (score / information at
         the level before the round, capped at MAX_LEVEL_STEP); then each prompt's belief at the new
         level, its earlier evidence halved, updated by its group as a Beta prior."""
+        # pass values outside [0, 1] (a reward without `accuracy` whose `overall` is, say, -1: the
+        # sampler refuses them, the shuffle records them) must not make a belief NaN
+        passes = torch.minimum(passes.clamp(min=0.0), size)
         expected = torch.sigmoid(self.level + self.offset[prompts].double())  # [P]
         information = float((size * expected * (1 - expected)).sum())
         score = float((passes - size * expected).sum())
