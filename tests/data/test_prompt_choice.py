@@ -14,7 +14,7 @@ from vlrl.config.checks import _check_prompt_choice
 from vlrl.config.schema import DataConfig
 from vlrl.data import StatefulPromptLoader
 from vlrl.data.prompt_stats import PromptStats
-from vlrl.data.samplers import Curriculum, PassRateSampler, SourceMix, mixed_group_chance
+from vlrl.data.samplers import SHARPNESS, Curriculum, PassRateSampler, SourceMix, mixed_group_chance
 
 
 def _record(stats: PromptStats, uid: int, accuracies: list[float], step: int = 1) -> None:
@@ -84,8 +84,9 @@ def _stats_with_kinds() -> PromptStats:
 def test_the_sampler_draws_prompts_by_their_chance_of_a_mixed_group_and_revisits_the_rest() -> None:
     stats = _stats_with_kinds()
     rows = torch.arange(30)
-    # one prompt per batch: drawn with probability proportional to its chance of a mixed group
-    chance = mixed_group_chance(*stats.belief(rows), 8)
+    # one prompt per batch: drawn with probability proportional to its chance of a mixed group,
+    # squared (SHARPNESS)
+    chance = mixed_group_chance(*stats.belief(rows), 8) ** SHARPNESS
     expected_mixed = float(chance[20:].sum() / chance.sum())
     firsts = [
         PassRateSampler(stats, 8, seed=1, revisit_share=0.0).rank(rows, 1, draw)[0] for draw in range(3000)
