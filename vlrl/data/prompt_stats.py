@@ -134,12 +134,12 @@ class PromptStats:
     def metrics(self) -> dict[str, float]:
         """`prompts/seen_share`: prompts attempted at least once; over them, `prompts/pass_rate_mean`
         and the histogram of their pass rates, `prompts/pass_rate_hist/<lo>` = the share in
-        [lo, lo + 0.1) (the last bin holds 1.0)."""
+        [lo, lo + 0.1) (the last bin holds 1.0); `prompts/level_pass_rate`: sigmoid(level), what the
+        sampler expects of a prompt never seen."""
         seen = self.attempts > 0
         out = {"prompts/seen_share": int(seen.sum()) / max(len(self), 1)}
-        if bool(seen.any()):  # what the sampler expects of a prompt never seen
-            out["prompts/level_pass_rate"] = float(torch.sigmoid(self.level))
         if bool(seen.any()):
+            out["prompts/level_pass_rate"] = float(torch.sigmoid(self.level))  # a prompt never seen
             rates = self.pass_sum[seen] / self.attempts[seen]  # [seen]
             out["prompts/pass_rate_mean"] = float(rates.mean())
             bins = (rates * HIST_BINS).long().clamp(0, HIST_BINS - 1)

@@ -9,8 +9,8 @@ is 1 - E[p^n] - E[(1-p)^n] (Beta moments: E[p^n] = B(a+n, b) / B(a, b)). A batch
 (Efraimidis-Spirakis keys), and the rest uniformly, so that solved and hopeless prompts are looked
 at again. Prompts never drawn come before every prompt seen (in a random order: over a first pass
 through the data the sampler draws as a shuffle does, and a prompt's first group is not traded for
-another group of a prompt seen). Prompts whose scores have not come back yet (`PromptStats.pending`) are not drawn
-while others are left.
+another group of a prompt seen). Prompts whose scores have not come back yet
+(`PromptStats.pending`) are not drawn while others are left.
 
 `SourceMix` (`data.train_weights`): each batch takes its prompts from the entries of
 `data.train_files` in proportion to the weights (a slot goes to the entry furthest behind its share,
