@@ -235,6 +235,28 @@ def test_the_curriculum_widens_its_pool_from_the_easiest_rows() -> None:
     assert {u % 4 for u in ranked[-10:]} == {1}
 
 
+def test_the_curriculum_by_pass_rate_ranks_a_prompt_against_the_policy_it_was_scored_by() -> None:
+    """0-9 pass 3 of 8 at the start (the level falls); 10-19 are solved three times over (it rises
+    by 3); then 20-29 pass 5 of 8, far below what the policy now does on an average prompt. By
+    lifetime pass rate 20-29 (0.62) would rank easier than 0-9 (0.38); against the level they are
+    the hardest."""
+    stats = PromptStats(range(30))
+    for uids, passes, step in [
+        (range(10), 3, 1),
+        *[(range(10, 20), 8, s) for s in (2, 3, 4)],
+        (range(20, 30), 5, 5),
+    ]:
+        parts = [{"overall": float(i < passes)} for _ in uids for i in range(8)]
+        stats.record([u for u in uids for _ in range(8)], parts, step)
+    by_pass = Curriculum(None, stats, start=0.0, ramp_batches=4, seed=3, within=None)
+    ranked = by_pass.rank(1, 0)  # a pool of one, then every other row easiest first
+    assert [set(ranked[:10]), set(ranked[10:20]), set(ranked[20:])] == [
+        set(range(10, 20)),
+        set(range(10)),
+        set(range(20, 30)),
+    ]
+
+
 def test_start_up_checks_name_the_keys() -> None:
     def problems(**data: object) -> list[str]:
         return _check_prompt_choice(DataConfig(train_files="a.jsonl,b.jsonl", **data))  # type: ignore[arg-type]

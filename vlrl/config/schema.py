@@ -75,8 +75,8 @@ class DataConfig(_Section):
     `len(data) / rollout_batch_size` batches, not every prompt once (docs/data.md, "Choosing prompts")."""
     curriculum: str | None = None
     """Easy to hard: `column:NAME` ranks prompts by a numeric column (low: easy), `pass_rate` by each
-    prompt's pass rate so far (high: easy; unseen prompts at the mean). Batches draw from the
-    easiest `curriculum_start` of the data at first, growing linearly to all of it after
+    prompt's pass rate against the policy that scored it (high: easy; unseen: average). Batches draw
+    from the easiest `curriculum_start` of the data at first, growing linearly to all of it after
     `curriculum_steps` steps; within that pool uniformly, or by `sampler=pass_rate`. Not combined
     with `train_weights`. None: off."""
     curriculum_start: float = 0.25

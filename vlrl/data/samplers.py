@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from vlrl.data.prompt_stats import PRIOR_WEIGHT, PromptStats
+from vlrl.data.prompt_stats import PromptStats
 
 SAMPLERS = ("shuffle", "pass_rate")
 # A prompt's weight in a batch's draw is its chance of a mixed group to this power. Late in a run
@@ -222,12 +222,10 @@ class Curriculum:
         return ranked + easiest[len(pool) :].tolist()
 
     def _hardness(self) -> torch.Tensor:
-        """[N] low: easy. By pass rate: 1 - (passes + prior) / (attempts + prior weight), where
-        unseen prompts sit at the prior, the mean pass rate of the prompts seen."""
+        """[N] low: easy. By pass rate: minus each prompt's offset from the level (logits; a prompt
+        never seen sits at 0, the average), so a prompt is ranked against the policy of the step it
+        was scored at: one that passed 3 of 8 while most groups failed is easier than one that
+        passed 5 of 8 while most were solved, which its lifetime pass rate would rank the other way."""
         if self.difficulty is not None:
             return self.difficulty
-        stats = self.stats
-        seen = stats.attempts > 0
-        prior = float(stats.pass_sum[seen].sum() / stats.attempts[seen].sum()) if bool(seen.any()) else 0.5
-        estimate = (stats.pass_sum + prior * PRIOR_WEIGHT) / (stats.attempts.double() + PRIOR_WEIGHT)
-        return 1.0 - estimate
+        return -self.stats.offset.double()
