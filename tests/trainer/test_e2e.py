@@ -146,7 +146,8 @@ def test_async_mode_trains_off_policy_and_resumes_exactly(
     """One step off (the default: the PPO ratio from the policy that sampled; with truncated
     importance sampling, from the actor), and two steps off (the weights broadcast in the
     background while a generation runs; prompts drawn by pass rate while two batches are in
-    flight); the ratio from the sampler also resumes exactly, prompt statistics included."""
+    flight, within a curriculum by pass rate); the ratio from the sampler also resumes exactly,
+    prompt statistics included."""
     # one training rank, one rollout rank; the checkpoint at step 2 holds the generations of the
     # steps after it that were submitted (step 3; with staleness 2, steps 3 and 4)
     steps = 2 + staleness
@@ -155,8 +156,8 @@ def test_async_mode_trains_off_policy_and_resumes_exactly(
               f"trainer.max_steps={steps}", f"worker.rollout.max_staleness={staleness}"]  # fmt: skip
     if ratio_from == "actor":
         common.append("algorithm.tis_cap=2.0")  # then algorithm.old_policy=auto is actor
-    if staleness == 2:
-        common.append("data.sampler=pass_rate")
+    if staleness == 2:  # the pass-rate sampler within a pass-rate curriculum's pool
+        common += ["data.sampler=pass_rate", "data.curriculum=pass_rate", "data.curriculum_steps=2"]
     full = tmp_path / "full"
     proc = run_cli(cli_args(assets, full, *common, "print_config=true"))
     assert f"algorithm.old_policy = {ratio_from!r}" in proc.stdout
