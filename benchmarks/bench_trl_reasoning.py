@@ -151,6 +151,8 @@ class StepRecorder:
         self.rows: list[dict[str, float]] = []
         self.scores: dict[str, float] = {}
         self.last = 0.0
+        self.trainer_metrics: dict[str, list[float]] = {}  # GRPOTrainer's `_metrics["train"]`, once built
+        self.seen: dict[str, int] = {}
         out_file.write_text("")
 
     def __call__(
@@ -176,6 +178,7 @@ class StepRecorder:
             return
         now = time.perf_counter()
         row = {"step": global_step // self.updates_per_step, "seconds": now - self.last, **self.scores}
+        row.update(self.loss_terms())
         self.last = now
         self.rows.append(row)
         with self.out_file.open("a") as f:
@@ -184,6 +187,18 @@ class StepRecorder:
             " ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
             flush=True,
         )
+
+    def loss_terms(self) -> dict[str, float]:
+        """TRL's own per-token KL to the reference and entropy, averaged over this step's micro-batches
+        (vlrl logs them as actor/kl_loss and actor/entropy)."""
+        out = {}
+        for name in ("kl", "entropy"):
+            values = self.trainer_metrics.get(name, [])
+            new = values[self.seen.get(name, 0) :]
+            self.seen[name] = len(values)
+            if new:
+                out[name] = statistics.fmean(new)
+        return out
 
     def callback(self) -> Any:
         from transformers import TrainerCallback
@@ -288,6 +303,7 @@ def run_trl(args: argparse.Namespace, s: Settings) -> list[dict[str, float]]:
         processing_class=processor,
         callbacks=[recorder.callback()],
     )
+    recorder.trainer_metrics = trainer._metrics["train"]  # filled as it trains (no public hook per step)
     trainer.train()
     return recorder.rows
 
