@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from actor_helpers import init_gloo, make_batch, make_config, sampling_for
+from bare_loop import check_bare_loop
 
 from vlrl.batch.rows import RolloutBatch
 from vlrl.config import PPOConfig
@@ -293,6 +294,7 @@ def run(rank: int, world: int, port: int, models: dict[str, str], out_dir: str) 
     results: dict[str, Any] = {}
     try:
         check_vlm(models["qwen2_5_vl"], out_dir, results)
+        check_bare_loop(models["qwen2_5_vl"], results)
         check_gradient_checkpointing(models["qwen2_5_vl"], results)
         check_schedule(models["qwen2_5_vl"], results)
         check_on_policy(models["qwen2_5_vl"], results)

@@ -10,6 +10,7 @@ from vlrl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
     kl_estimate,
+    low_var_kl_clamped,
     make_kl_controller,
     penalized_rewards,
 )
@@ -41,6 +42,20 @@ def test_low_var_kl_clamps_extreme_log_ratios():
     torch.testing.assert_close(kl, torch.tensor([[10.0, 10.0, 0.0]]))
     kl.sum().backward()
     assert torch.isfinite(logp.grad).all()
+
+
+def test_low_var_kl_without_a_bound_keeps_the_gradient_where_the_bound_would_remove_it():
+    # d = ref - logp = 3: k3 = e^3 - 3 - 1 = 16.0855 (beyond the bound of 10), d(k3)/d(logp) = 1 - e^3
+    # = -19.0855; bounded: 10 and no gradient. d = 0.5: e^0.5 - 1.5 = 0.14872, gradient 1 - e^0.5.
+    ref = torch.tensor([[3.0, 0.5]])
+    for clamp, value, grad in ((None, 16.0855, -19.0855), (10.0, 10.0, 0.0)):
+        logp = torch.zeros(1, 2, requires_grad=True)
+        kl = kl_estimate(logp, ref, "low_var_kl", low_var_clamp=clamp)
+        kl.sum().backward()
+        torch.testing.assert_close(kl, torch.tensor([[value, 0.148721]]), rtol=0, atol=1e-4)
+        torch.testing.assert_close(logp.grad, torch.tensor([[grad, -0.648721]]), rtol=0, atol=1e-4)
+    assert low_var_kl_clamped(torch.zeros(1, 2), ref, 10.0).tolist() == [[True, False]]
+    assert low_var_kl_clamped(torch.zeros(1, 2), ref, None).tolist() == [[False, False]]
 
 
 @pytest.mark.parametrize("kind", ["kl", "abs", "mse", "low_var_kl"])

@@ -20,6 +20,7 @@ from vlrl.algorithms.kl import (
     KLPenalty,
     PenalizedRewards,
     kl_estimate,
+    low_var_kl_clamped,
     make_kl_controller,
     penalized_rewards,
 )
@@ -30,6 +31,7 @@ from vlrl.algorithms.losses import (
     compute_kl_loss,
     compute_policy_loss,
     count_tokens_and_seqs,
+    masked_mean,
 )
 
 __all__ = [
@@ -50,5 +52,7 @@ __all__ = [
     "count_tokens_and_seqs",
     "filter_groups",
     "kl_estimate",
+    "low_var_kl_clamped",
     "make_kl_controller",
+    "masked_mean",
 ]

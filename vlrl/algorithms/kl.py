@@ -18,7 +18,7 @@ from vlrl.algorithms.advantages import sequence_scores
 KLFn = Callable[[Tensor, Tensor], Tensor]
 
 LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound before exp: e^20 ~ 5e8 stays finite in fp32/bf16
-LOW_VAR_KL_CLAMP = 10.0  # bound of the k3 estimate itself
+LOW_VAR_KL_CLAMP = 10.0  # EasyR1's bound of the k3 estimate itself (`algorithm.low_var_kl_clamp`)
 
 
 def kl_k1(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
@@ -36,13 +36,23 @@ def kl_mse(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     return 0.5 * (log_probs - ref_log_probs).square()
 
 
-def kl_low_var(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-    """k3 = exp(d) - d - 1 with d = ref - logp clamped to [-20, 20]; result clamped to [-10, 10].
+def kl_low_var(log_probs: Tensor, ref_log_probs: Tensor, clamp: float | None = LOW_VAR_KL_CLAMP) -> Tensor:
+    """k3 = exp(d) - d - 1 with d = ref - logp clamped to [-20, 20] (exp stays finite); the result
+    clamped to [-clamp, clamp] (None: not clamped).
 
-    Unbiased for KL(pi || pi_ref) when y ~ pi and always >= 0; the clamps keep exp finite.
+    Unbiased for KL(pi || pi_ref) when y ~ pi and always >= 0. Where the clamp binds the estimate is
+    flat, so those tokens, the ones farthest from the reference, get no KL gradient.
     """
     d = (ref_log_probs - log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return (d.exp() - d - 1).clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+    k3 = d.exp() - d - 1
+    return k3 if clamp is None else k3.clamp(-clamp, clamp)
+
+
+def low_var_kl_clamped(log_probs: Tensor, ref_log_probs: Tensor, clamp: float | None) -> Tensor:
+    """bool [B, T]: the tokens whose k3 estimate the clamp binds (all False without one)."""
+    if clamp is None:
+        return torch.zeros(log_probs.shape, dtype=torch.bool, device=log_probs.device)
+    return kl_low_var(log_probs.detach(), ref_log_probs.detach(), None) > clamp
 
 
 def kl_full(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
@@ -71,10 +81,15 @@ KL_ESTIMATORS: dict[str, KLFn] = {
 }
 
 
-def kl_estimate(log_probs: Tensor, ref_log_probs: Tensor, kind: str) -> Tensor:
-    """Per-token KL estimate of `kind` (config key `algorithm.kl_penalty`). [B, T] (or [B, T, V] for full) -> [B, T]."""
+def kl_estimate(
+    log_probs: Tensor, ref_log_probs: Tensor, kind: str, low_var_clamp: float | None = LOW_VAR_KL_CLAMP
+) -> Tensor:
+    """Per-token KL estimate of `kind` (config key `algorithm.kl_penalty`). [B, T] (or [B, T, V] for
+    full) -> [B, T]. `low_var_clamp`: the k3 estimate's bound (`algorithm.low_var_kl_clamp`)."""
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind!r}; valid: {sorted(KL_ESTIMATORS)}")
+    if kind == "low_var_kl":
+        return kl_low_var(log_probs, ref_log_probs, low_var_clamp)
     return KL_ESTIMATORS[kind](log_probs, ref_log_probs)
 
 
@@ -129,6 +144,7 @@ class KLPenalty:
     coef: float
     kind: str
     scores: Tensor  # [rows] each row's overall score
+    low_var_clamp: float | None = LOW_VAR_KL_CLAMP  # algorithm.low_var_kl_clamp
 
 
 @dataclass
@@ -162,11 +178,13 @@ def penalized_rewards(
     kl_coef: float,
     kind: str,
     per_token: bool = True,
+    low_var_clamp: float | None = LOW_VAR_KL_CLAMP,
 ) -> PenalizedRewards:
     """Rewards = scores - kl_coef * KL * mask (scores, log-probs and mask [B, T]), detached: they
     are targets, not part of the policy's graph."""
     mask = response_mask.to(token_level_scores.dtype)
-    kl = kl_estimate(log_probs.detach(), ref_log_probs.detach(), kind).to(mask.dtype) * mask  # [B, T]
+    kl = kl_estimate(log_probs.detach(), ref_log_probs.detach(), kind, low_var_clamp)
+    kl = kl.to(mask.dtype) * mask  # [B, T]
     rewards = token_level_scores - kl_coef * kl
     tokens_per_seq = mask.sum(dim=-1)  # [B]
     return PenalizedRewards(

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from vlrl.algorithms.kl import kl_estimate
+from vlrl.algorithms.kl import LOW_VAR_KL_CLAMP, kl_estimate
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
@@ -297,11 +297,13 @@ def compute_kl_loss(
     loss_avg_mode: str,
     num_tokens: float,
     num_seqs: float,
+    low_var_clamp: float | None = LOW_VAR_KL_CLAMP,
 ) -> Tensor:
     """KL(pi || pi_ref) as a loss term (`algorithm.use_kl_loss`), aggregated like the policy loss.
 
-    The caller adds `kl_coef * compute_kl_loss(...)` to the policy loss; `low_var_kl` is the usual kind.
+    The caller adds `kl_coef * compute_kl_loss(...)` to the policy loss; `low_var_kl` is the usual
+    kind, bounded by `low_var_clamp` (`algorithm.low_var_kl_clamp`).
     """
     log_probs, ref_log_probs = _zero_padding(response_mask, log_probs, ref_log_probs)
-    kl = kl_estimate(log_probs, ref_log_probs, kind)  # [B, T]
+    kl = kl_estimate(log_probs, ref_log_probs, kind, low_var_clamp)  # [B, T]
     return aggregate_loss(kl, response_mask, loss_avg_mode, num_tokens, num_seqs)

@@ -637,6 +637,9 @@ def _check_numbers(config: PPOConfig) -> list[str]:
     for key, value in at_least_zero.items():
         if not (math.isfinite(value) and value >= 0):
             errors.append(f"{key}={value} must be a finite number >= 0")
+    clamp = algo.low_var_kl_clamp
+    if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
+        errors.append(f"algorithm.low_var_kl_clamp={clamp} must be a finite number > 0, or null (no bound)")
     if not math.isfinite(actor.max_grad_norm):
         errors.append(f"worker.actor.max_grad_norm={actor.max_grad_norm} must be finite (<= 0: no clipping)")
     if not 0 < rollout.top_p <= 1:

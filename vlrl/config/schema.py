@@ -159,7 +159,11 @@ class AlgorithmConfig(_Section):
     use_kl_loss: bool = False
     """Add `kl_coef * KL(policy || ref)` to the loss (GRPO style); False: KL penalty in the reward."""
     kl_penalty: str = "kl"
-    """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3, clamped), full."""
+    """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3, bounded by `low_var_kl_clamp`), full."""
+    low_var_kl_clamp: float | None = 10.0
+    """Bound of the per-token k3 estimate (`kl_penalty=low_var_kl`), as EasyR1 bounds it; None: none.
+    A token beyond it gets no KL gradient, and those are the tokens farthest from the reference
+    (share logged as `actor/kl_clamped_share`; docs/algorithms.md). Must be > 0."""
     kl_coef: float = 1e-3
     """KL coefficient (initial value for the adaptive controller)."""
     kl_type: str = "fixed"

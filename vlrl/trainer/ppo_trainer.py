@@ -268,7 +268,9 @@ class PPOTrainer:
         kl_in_reward = plan.kl == "reward"
         scores = batch.tensor("token_level_scores").sum(-1)  # [N] each response's score
         penalties = [
-            KLPenalty(self.kl_ctrl.value, algo.kl_penalty, scores[rows]) if kl_in_reward else None
+            KLPenalty(self.kl_ctrl.value, algo.kl_penalty, scores[rows], algo.low_var_kl_clamp)
+            if kl_in_reward
+            else None
             for rows in shards
         ]
         plans = [batch.plan(rows) for rows in shards]
@@ -293,7 +295,9 @@ class PPOTrainer:
             metrics.update({"critic/kl": current_kl, "critic/kl_coef": self.kl_ctrl.value})
         batch.sequence_rewards = scores if penalized is None else penalized.sums
         if self.config.plan.advantages == "ranks":
-            return TokenRewards(algo.adv_estimator, scores, algo.gamma, kl_coef, algo.kl_penalty)
+            return TokenRewards(
+                algo.adv_estimator, scores, algo.gamma, kl_coef, algo.kl_penalty, algo.low_var_kl_clamp
+            )
         batch.advantages = self._outcome_advantages(batch, penalized, baselines)
         return None
 

@@ -38,7 +38,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from vlrl.algorithms import aggregate_loss, compute_kl_loss, compute_policy_loss, count_tokens_and_seqs
+from vlrl.algorithms import (
+    aggregate_loss,
+    compute_kl_loss,
+    compute_policy_loss,
+    count_tokens_and_seqs,
+    low_var_kl_clamped,
+    masked_mean,
+)
 from vlrl.batch.rows import RolloutBatch
 from vlrl.config import ActorConfig, AlgorithmConfig
 from vlrl.models.flops import batch_vision_grids, peak_flops, training_flops, vision_training_flops
@@ -79,7 +86,7 @@ class NonFiniteTraining(RuntimeError):
     """The update produced inf/nan weights, or too many non-finite gradients in a row."""
 
 
-TOKEN_METRICS = ("pg_clipfrac_higher", "pg_clipfrac_lower", "ppo_kl", "entropy")
+TOKEN_METRICS = ("pg_clipfrac_higher", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_clamped_share")
 LOSS_METRICS = ("pg_loss", "kl_loss")
 
 
@@ -120,7 +127,11 @@ class _UpdateStats:
     def finish(self, reduce) -> dict[str, float]:
         sums = reduce(self.local_sums())
         tokens = max(sums[len(TOKEN_METRICS)], 1.0)
-        out = {f"actor/{k}": v / tokens for k, v in zip(TOKEN_METRICS, sums)}
+        out = {
+            f"actor/{k}": v / tokens
+            for k, v in zip(TOKEN_METRICS, sums)
+            if k != "kl_clamped_share" or self.with_kl_loss
+        }
         for k, v in zip(LOSS_METRICS, sums[len(TOKEN_METRICS) + 1 :]):
             if k != "kl_loss" or self.with_kl_loss:
                 out[f"actor/{k}"] = v / max(self.steps, 1)
@@ -370,11 +381,16 @@ class Actor:
                 **agg,
             )
             loss, kl = pg, torch.zeros((), device=dev)
+            metrics["kl_clamped_share"] = torch.zeros((), device=dev)
             if algo.use_kl_loss:
-                kl = compute_kl_loss(
-                    out.log_probs, _on(mb.tensor("ref_log_probs"), dev), mask, algo.kl_penalty, **agg
-                )
+                ref = _on(mb.tensor("ref_log_probs"), dev)
+                clamp = algo.low_var_kl_clamp if algo.kl_penalty == "low_var_kl" else None
+                kl = compute_kl_loss(out.log_probs, ref, mask, algo.kl_penalty, **agg, low_var_clamp=clamp)
                 loss = loss + algo.kl_coef * kl
+                # the tokens whose KL gradient the bound removes (token mean, like the clip fractions)
+                metrics["kl_clamped_share"] = masked_mean(
+                    low_var_kl_clamped(out.log_probs, ref, clamp).float(), mask
+                )
             entropy_all = out.entropy
             assert entropy_all is not None  # asked for with_entropy=True
             if cfg.entropy_coeff != 0:

@@ -31,7 +31,9 @@ def token_level_advantages(
     rewards = scores_to_token_level(spec.scores, mask)
     if spec.kl_coef is not None:
         old, ref = batch.tensor("old_log_probs"), batch.tensor("ref_log_probs")
-        rewards = penalized_rewards(rewards, old, ref, mask, spec.kl_coef, spec.kl_kind).tensor_rewards()
+        rewards = penalized_rewards(
+            rewards, old, ref, mask, spec.kl_coef, spec.kl_kind, low_var_clamp=spec.kl_low_var_clamp
+        ).tensor_rewards()
     advantages = compute_advantages(
         spec.estimator, rewards, mask, batch.group_ids, gamma=spec.gamma, sum_over_ranks=sum_over_ranks
     )[0]

@@ -74,8 +74,9 @@ class TrainingSide:
             raise RuntimeError("a KL penalty in the reward needs the old and reference log-probs")
         scores = scores_to_token_level(kl_penalty.scores, batch.response_mask)  # as the driver puts them
         return penalized_rewards(
-            scores, old, ref, batch.response_mask, kl_penalty.coef, kl_penalty.kind, per_token=False
-        )
+            scores, old, ref, batch.response_mask, kl_penalty.coef, kl_penalty.kind, per_token=False,
+            low_var_clamp=kl_penalty.low_var_clamp,
+        )  # fmt: skip
 
     def _old_pass(self, batch: RolloutBatch) -> torch.Tensor | None:
         """[N, R] old log-probs of the rows the plan's pass covers (0 where the update computes
