@@ -33,11 +33,11 @@ def test_auto_without_a_cluster_follows_this_machine(local):
 
 
 def test_derive_asks_the_cluster_named_by_ray_address(monkeypatch):
-    import vlrl.config.schema
+    import vlrl.config.device
 
     asked = []
     monkeypatch.setenv("RAY_ADDRESS", "head:6379")
-    monkeypatch.setattr(vlrl.config.schema, "_cluster_gpus", lambda address: asked.append(address) or 8.0)
+    monkeypatch.setattr(vlrl.config.device, "_cluster_gpus", lambda address: asked.append(address) or 8.0)
     config = PPOConfig()
     config.derive()
     assert config.trainer.device == "cuda" and asked == ["head:6379"]
