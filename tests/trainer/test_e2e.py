@@ -26,14 +26,16 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_two_ranks_train_checkpoint_and_a_killed_run_resumes_exactly(
     assets: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Two ranks (data parallel, KL loss with a reference, two updates per step, sequence-level masked
-    IS), 4 steps with
+    """Two ranks (data parallel, KL loss with a reference and a k3 bound through the CLI, two updates
+    per step, sequence-level masked IS), 4 steps with
     checkpoints at 2 and 4 and validation at the end; then the same run killed during step 3 and
     started again resumes from step 2 and logs what the uninterrupted run logged."""
     common = ["trainer.n_gpus_per_node=2", "algorithm.disable_kl=false", "algorithm.use_kl_loss=true",
               "algorithm.kl_penalty=low_var_kl", "trainer.save_freq=2", "trainer.val_before_train=false",
               "trainer.val_freq=-1", "trainer.max_steps=4", "worker.rollout.calculate_log_probs=true",
-              "algorithm.off_policy_correction=seq_mask", "algorithm.correction_bound=1.5"]  # fmt: skip
+              "algorithm.off_policy_correction=seq_mask", "algorithm.correction_bound=1.5",
+              # a k3 bound the tiny model's KL passes once the policy moves: the key reaches both ranks
+              "algorithm.low_var_kl_clamp=1e-4"]  # fmt: skip
     reference = tmp_path / "uninterrupted"
     run_cli(cli_args(assets, reference, *common))
     expected = read_metrics(reference)
@@ -46,6 +48,8 @@ def test_two_ranks_train_checkpoint_and_a_killed_run_resumes_exactly(
         assert row["rollout/log_prob_diff_mean"] < 0.05  # the old log-probs vs the engine's
         # synchronous: the engine samples the actor's weights, every sequence stays in the band
         assert row["off_policy/masked_frac"] == 0.0 and row["off_policy/weight_mean"] == 1.0
+    assert expected[1]["actor/kl_clamped_share"] < expected[4]["actor/kl_clamped_share"] <= 1.0
+    assert expected[4]["actor/kl_clamped_share"] > 0.0
     assert "val/overall" in expected[4]  # validation at the end
     tracker = json.loads((reference / "checkpoint_tracker.json").read_text())
     assert tracker["latest"] == 4
@@ -74,7 +78,7 @@ def test_two_ranks_train_checkpoint_and_a_killed_run_resumes_exactly(
     resumed = read_metrics(killed)
     assert sorted(resumed) == [1, 2, 3, 4]
     keys = ["reward/overall", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm",
-            "critic/score/mean"]  # fmt: skip
+            "critic/score/mean", "actor/kl_clamped_share"]  # fmt: skip
     for step in range(done_before_kill + 1, 5):
         for key in keys + (["val/overall"] if step == 4 else []):
             assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)
