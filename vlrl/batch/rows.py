@@ -188,7 +188,7 @@ class TokenRewards:
     gamma: float
     kl_coef: float | None = None  # None: no KL penalty in the reward
     kl_kind: str = ""
-    kl_low_var_clamp: float | None = None  # algorithm.low_var_kl_clamp
+    kl_low_var_clamp: float | None = None  # the k3 bound the trainer passes (low_var_kl_clamp)
 
 
 @dataclass
