@@ -66,6 +66,7 @@ class Settings:
     seed: int
     reward: str  # path/to/file.py:function
     kl_coef: float  # 0: no KL term
+    kl_ratio_weighted: bool  # algorithm.kl_loss_ratio_weighted: TRL's use_bias_correction_kl
 
 
 def read_settings(path: Path) -> Settings:
@@ -99,6 +100,7 @@ def read_settings(path: Path) -> Settings:
         seed=data.get("seed", 1),
         reward=worker["reward"]["reward_function"],
         kl_coef=algo.get("kl_coef", 1e-3) if kl_loss else 0.0,
+        kl_ratio_weighted=bool(algo.get("kl_loss_ratio_weighted", False)),
     )
 
 
@@ -263,6 +265,8 @@ def trl_config(s: Settings, steps: int, out: Path) -> Any:
         epsilon=s.clip_low,
         epsilon_high=s.clip_high,
         beta=s.kl_coef,  # KL loss to the reference (k3, vlrl's low_var_kl); 0: no reference model
+        # k3 times the ratio pi / pi_old (TRL's default True since 1.x); vlrl's default is False
+        use_bias_correction_kl=s.kl_ratio_weighted,
         scale_rewards="group",  # GRPO: (r - group mean) / group std
         mask_truncated_completions=False,  # vlrl trains on truncated responses (scored 0)
         shuffle_dataset=True,

@@ -127,6 +127,7 @@ def test_bad_keys_and_types(base: list[str], override: str, message: str) -> Non
         (["worker.actor.optim.lr=.nan"], r"worker.actor.optim.lr=nan must be a finite number >= 0"),
         (["algorithm.kl_coef=-0.1"], r"algorithm.kl_coef=-0.1 must be a finite number >= 0"),
         (["algorithm.low_var_kl_clamp=0"], r"algorithm.low_var_kl_clamp=0.0 must be a finite number > 0, or null"),
+        (["algorithm.kl_loss_ratio_weighted=true", "algorithm.use_kl_loss=false"], r"algorithm.kl_loss_ratio_weighted=true weights the KL loss, which is off: set algorithm.use_kl_loss=true"),
         (["worker.rollout.top_p=0"], r"worker.rollout.top_p=0.0 must be in \(0, 1\]"),
         (["worker.rollout.top_k=0"], r"worker.rollout.top_k=0 must be -1 \(off\) or >= 1"),
         (["worker.rollout.n=100000"], r"worker.rollout.n=100000 must be in \[1, 16384\] \(vLLM's limit"),

@@ -2,9 +2,10 @@
 
 The bare loop is transformers' model, torch's AdamW and grad-norm clipping, and the GRPO loss
 written out here: per token max(-r A, -clip(r, 1 - low, 1 + high) A) (dual clip: for A < 0 at most
--A * dual) plus kl_coef * k3 (clamped to [-bound, bound] when a bound is set), summed over a
-mini-batch's response tokens and divided by their number, one optimizer step per mini-batch. With
-no dual clip and no bound it is what TRL's GRPOTrainer computes (loss_type="dapo", k3 KL).
+-A * dual) plus kl_coef * k3 (clamped to [-bound, bound] when a bound is set; times r when
+weighted), summed over a mini-batch's response tokens and divided by their number, one optimizer
+step per mini-batch. With no dual clip, no bound and the weight it is what TRL 1.16's GRPOTrainer
+computes (loss_type="dapo", k3 KL, use_bias_correction_kl=True, its default).
 Nothing of vlrl's forward is used: the model computes its own positions from the token ids.
 """
 
@@ -44,21 +45,20 @@ def row_log_probs(
     return torch.log_softmax(logits, -1).gather(-1, batch.responses[row, :length, None]).squeeze(-1)
 
 
-def token_losses(
-    logp: Tensor, old: Tensor, ref: Tensor, adv: float, dual: float | None, bound: float | None
-) -> Tensor:
-    """[tokens] the policy loss plus kl_coef * k3 of one row."""
+def token_losses(logp: Tensor, old: Tensor, ref: Tensor, adv: float, setting: tuple) -> Tensor:
+    """[tokens] the policy loss plus kl_coef * k3 (times r when weighted) of one row."""
+    dual, bound, weighted = setting
     ratio = torch.exp(logp - old)
     policy = torch.max(-ratio * adv, -ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * adv)
     if dual is not None and adv < 0:
         policy = torch.clamp(policy, max=-adv * dual)
     d = (ref - logp).clamp(-20, 20)
     k3 = d.exp() - d - 1
-    return policy + KL_COEF * (k3 if bound is None else k3.clamp(-bound, bound))
+    kl = k3 if bound is None else k3.clamp(-bound, bound)
+    return policy + KL_COEF * (kl * ratio if weighted else kl)
 
 
-def bare_update(model_dir: str, batch: RolloutBatch, inputs: dict[str, Any], dual: float | None,
-                bound: float | None) -> dict[str, Tensor]:  # fmt: skip
+def bare_update(model_dir: str, batch: RolloutBatch, inputs: dict[str, Any], setting: tuple) -> dict[str, Tensor]:  # fmt: skip
     """The weights after one optimizer step per mini-batch (`inputs["minis"]`, lists of rows)."""
     _, processor = load_processor(model_dir)
     banned = sampling_for(model_dir).banned_token_ids
@@ -69,7 +69,7 @@ def bare_update(model_dir: str, batch: RolloutBatch, inputs: dict[str, Any], dua
         tokens = sum(int(batch.response_mask[i].sum()) for i in rows)
         loss = sum(
             token_losses(row_log_probs(model, processor, batch, i, banned), inputs["old"][i], inputs["ref"][i],
-                         float(inputs["adv"][i]), dual, bound).sum()
+                         float(inputs["adv"][i]), setting).sum()
             for i in rows
         ) / tokens  # fmt: skip
         loss.backward()
@@ -78,10 +78,11 @@ def bare_update(model_dir: str, batch: RolloutBatch, inputs: dict[str, Any], dua
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def actor_update(model_dir: str, batch: RolloutBatch, dual: float | None, bound: float | None) -> tuple[dict[str, Tensor], dict[str, float]]:  # fmt: skip
+def actor_update(model_dir: str, batch: RolloutBatch, setting: tuple) -> tuple[dict[str, Tensor], dict[str, float]]:  # fmt: skip
     """vlrl's actor on the same rows (2 mini-batches of 2 prompts x 4 samples): its weights after
     `update_policy`, by transformers' parameter names, and its metrics."""
     _, processor = load_processor(model_dir)
+    dual, bound, weighted = setting
     config = make_config(
         model_dir, worker__rollout__n=4, data__rollout_batch_size=4, worker__actor__global_batch_size=2,
         worker__actor__micro_batch_size_per_device_for_update=3, worker__actor__max_grad_norm=1.0,
@@ -89,6 +90,7 @@ def actor_update(model_dir: str, batch: RolloutBatch, dual: float | None, bound:
         worker__actor__clip_ratio_high=CLIP_HIGH, worker__actor__clip_ratio_dual=dual or 1e30,
         algorithm__disable_kl=False, algorithm__use_kl_loss=True, algorithm__kl_penalty="low_var_kl",
         algorithm__kl_coef=KL_COEF, algorithm__low_var_kl_clamp=bound,
+        algorithm__kl_loss_ratio_weighted=weighted,
     )  # fmt: skip
     actor = build_actor(config, processor, "cpu", model_path=model_dir)
     metrics = actor.update_policy(batch)
@@ -101,7 +103,8 @@ def actor_update(model_dir: str, batch: RolloutBatch, dual: float | None, bound:
 
 def check_bare_loop(model_dir: str, results: dict[str, Any]) -> None:
     """The actor's two optimizer steps move the weights as the bare loop's do: with EasyR1's dual
-    clip and k3 bound, and without either (TRL's loss). Results: the relative size of the gap
+    clip and k3 bound, with the clip alone, with neither, and with neither and the KL weighted by
+    the ratio (TRL's loss). Results: the relative size of the gap
     between the two updates, per setting, and how far the settings' own updates part."""
     batch = make_batch(model_dir, SPECS, group_size=4, seed=3)  # 16 rows
     _, processor = load_processor(model_dir)
@@ -121,15 +124,25 @@ def check_bare_loop(model_dir: str, results: dict[str, Any]) -> None:
     batch.advantages = inputs["adv"][:, None] * batch.response_mask
     initial = dict(start.named_parameters())
     updates = {}
-    for name, dual, bound in (("easyr1", 3.0, 10.0), ("dual_only", 3.0, None), ("trl", None, None)):
-        bare = bare_update(model_dir, batch, inputs, dual, bound)
-        ours, metrics = actor_update(model_dir, batch, dual, bound)
+    settings = {  # (dual clip, k3 bound, KL weighted by the ratio)
+        "easyr1": (3.0, 10.0, False),
+        "dual_only": (3.0, None, False),
+        "unweighted": (None, None, False),
+        "trl": (None, None, True),
+    }
+    for name, setting in settings.items():
+        bare = bare_update(model_dir, batch, inputs, setting)
+        ours, metrics = actor_update(model_dir, batch, setting)
         moved = torch.cat([(bare[k] - initial[k].detach()).flatten() for k in bare])
         ours_moved = torch.cat([(ours[k] - initial[k].detach()).flatten() for k in bare])
         results[f"bare/{name}/gap"] = float((ours_moved - moved).norm() / moved.norm())
         results[f"bare/{name}/clamped"] = metrics["actor/kl_clamped_share"]
         updates[name] = moved
-    for name in ("easyr1", "dual_only"):  # each setting matters here (else the check could not tell)
+    for name in (
+        "easyr1",
+        "dual_only",
+        "unweighted",
+    ):  # each setting matters here (else the check could not tell)
         results[f"bare/{name}/vs_trl"] = float(
             (updates[name] - updates["trl"]).norm() / updates["trl"].norm()
         )

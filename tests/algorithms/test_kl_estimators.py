@@ -9,6 +9,7 @@ from vlrl.algorithms import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    compute_kl_loss,
     kl_estimate,
     low_var_kl_clamped,
     make_kl_controller,
@@ -134,3 +135,46 @@ def test_penalized_rewards():
         is None
     )
     assert not rewards.requires_grad, "rewards are targets, detached from the policy graph"
+
+
+def test_ratio_weighted_k3_loss_has_the_per_token_reverse_kl_gradient():
+    # On the sampling policy (old = logp) r = 1, and d(r * k3)/d(logp) = k3 + 1 - e^d = -d = logp - ref,
+    # d = ref - logp. Token 1: d = 0.5 -> -0.5; token 2: d = -1 -> 1. Unweighted: 1 - e^d = -0.648721,
+    # 0.632121. Token mean over 2 tokens halves both; the third position is padding.
+    ref = torch.tensor([[-0.5, -3.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    for weighted, grad in ((True, [-0.25, 0.5]), (False, [-0.324361, 0.316060])):
+        logp = torch.tensor([[-1.0, -2.0, float("-inf")]], requires_grad=True)
+        old = logp.detach() if weighted else None
+        loss = compute_kl_loss(logp, ref, mask, "low_var_kl", "token", 2.0, 1.0, None, old_log_probs=old)
+        loss.backward()
+        torch.testing.assert_close(loss, torch.tensor((0.148721 + 0.367879) / 2), rtol=0, atol=1e-5)
+        torch.testing.assert_close(logp.grad, torch.tensor([[*grad, 0.0]]), rtol=0, atol=1e-5)
+
+
+def test_ratio_weighted_k3_gradient_is_the_reverse_kl_gradient_in_expectation():
+    """Over a token's whole vocabulary, weighted by pi: E_pi[grad(r k3)] = grad KL(pi || ref), and
+    E_pi[grad k3] = grad KL(ref || pi) (which is why the weight exists)."""
+    logits = torch.tensor([0.3, -1.2, 2.0, 0.1], requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([1.0, 0.5, -0.5, 0.0]), -1)
+
+    def expected_grad(weighted: bool) -> torch.Tensor:
+        logp = torch.log_softmax(logits, -1)[:, None]  # [V, 1]: each entry one sampled token
+        one = torch.ones(1, 1)
+        losses = [  # the loss of a batch of one token, v, sampled from pi
+            compute_kl_loss(lp[None], r.view(1, 1), one, "low_var_kl", "token", 1.0, 1.0, None,
+                            old_log_probs=lp[None].detach() if weighted else None)
+            for lp, r in zip(logp, ref, strict=True)
+        ]  # fmt: skip
+        (grad,) = torch.autograd.grad((logp[:, 0].exp().detach() * torch.stack(losses)).sum(), logits)
+        return grad
+
+    def exact_grad(forward: bool) -> torch.Tensor:
+        logp = torch.log_softmax(logits, -1)
+        kl = (ref.exp() * (ref - logp)).sum() if forward else (logp.exp() * (logp - ref)).sum()
+        (grad,) = torch.autograd.grad(kl, logits)
+        return grad
+
+    torch.testing.assert_close(expected_grad(True), exact_grad(forward=False))
+    torch.testing.assert_close(expected_grad(False), exact_grad(forward=True))
+    assert (exact_grad(forward=False) - exact_grad(forward=True)).abs().max() > 0.1  # they differ here

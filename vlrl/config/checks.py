@@ -640,6 +640,11 @@ def _check_numbers(config: PPOConfig) -> list[str]:
     clamp = algo.low_var_kl_clamp
     if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
         errors.append(f"algorithm.low_var_kl_clamp={clamp} must be a finite number > 0, or null (no bound)")
+    if algo.kl_loss_ratio_weighted and not algo.use_kl_loss:
+        errors.append(
+            "algorithm.kl_loss_ratio_weighted=true weights the KL loss, which is off: set "
+            "algorithm.use_kl_loss=true (and disable_kl=false), or drop the key"
+        )
     if not math.isfinite(actor.max_grad_norm):
         errors.append(f"worker.actor.max_grad_norm={actor.max_grad_norm} must be finite (<= 0: no clipping)")
     if not 0 < rollout.top_p <= 1:

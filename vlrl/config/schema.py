@@ -161,6 +161,11 @@ class AlgorithmConfig(_Section):
     """Bound of the per-token k3 estimate (`kl_penalty=low_var_kl`), as EasyR1 bounds it; None: none.
     A token beyond it gets no KL gradient, and those are the tokens farthest from the reference
     (share logged as `actor/kl_clamped_share`; docs/algorithms.md). Must be > 0."""
+    kl_loss_ratio_weighted: bool = False
+    """Multiply each token's KL loss by its ratio pi / pi_old, kept in the graph (needs
+    `use_kl_loss`). The k3 loss alone has the gradient of KL(pi_ref || pi) in expectation; weighted,
+    that of KL(pi || pi_ref), the KL it estimates (TRL's `use_bias_correction_kl`, on by default
+    there since TRL 1.x; EasyR1 does not weight). docs/algorithms.md."""
     kl_coef: float = 1e-3
     """KL coefficient (initial value for the adaptive controller)."""
     kl_type: str = "fixed"

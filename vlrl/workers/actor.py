@@ -385,7 +385,15 @@ class Actor:
             if algo.use_kl_loss:
                 ref = _on(mb.tensor("ref_log_probs"), dev)
                 clamp = algo.low_var_kl_clamp if algo.kl_penalty == "low_var_kl" else None
-                kl = compute_kl_loss(out.log_probs, ref, mask, algo.kl_penalty, **agg, low_var_clamp=clamp)
+                kl = compute_kl_loss(
+                    out.log_probs,
+                    ref,
+                    mask,
+                    algo.kl_penalty,
+                    **agg,
+                    low_var_clamp=clamp,
+                    old_log_probs=old if algo.kl_loss_ratio_weighted else None,
+                )
                 loss = loss + algo.kl_coef * kl
                 # the tokens whose KL gradient the bound removes (token mean, like the clip fractions)
                 metrics["kl_clamped_share"] = masked_mean(
