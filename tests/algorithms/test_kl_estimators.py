@@ -178,3 +178,13 @@ def test_ratio_weighted_k3_gradient_is_the_reverse_kl_gradient_in_expectation():
     torch.testing.assert_close(expected_grad(True), exact_grad(forward=False))
     torch.testing.assert_close(expected_grad(False), exact_grad(forward=True))
     assert (exact_grad(forward=False) - exact_grad(forward=True)).abs().max() > 0.1  # they differ here
+
+
+def test_ratio_weighted_kl_loss_stays_finite_far_off_policy():
+    logp = torch.tensor([[50.0, -50.0]], requires_grad=True)
+    old, ref = torch.tensor([[-50.0, 50.0]]), torch.tensor([[-50.0, 50.0]])
+    loss = compute_kl_loss(
+        logp, ref, torch.ones(1, 2), "low_var_kl", "token", 2.0, 1.0, None, old_log_probs=old
+    )
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()

@@ -305,7 +305,7 @@ def compute_kl_loss(
     The caller adds `kl_coef * compute_kl_loss(...)` to the policy loss; `low_var_kl` is the usual
     kind, bounded by `low_var_clamp` (`algorithm.low_var_kl_clamp`). `old_log_probs` [B, T]
     (`algorithm.kl_loss_ratio_weighted`): each token's estimate is multiplied by its ratio
-    exp(log_probs - old_log_probs), not detached. Its value is 1 on the policy that sampled, but its
+    exp(log_probs - old_log_probs) (`_ratio`), not detached. Its value is 1 on the policy that sampled, but its
     gradient adds kl * grad(log pi): E_pi[grad(r * k)] is then the gradient of KL(pi || pi_ref),
     where the k3 estimate alone gives -E_pi_ref[grad log pi], the gradient of KL(pi_ref || pi).
     """
@@ -313,5 +313,5 @@ def compute_kl_loss(
     kl = kl_estimate(log_probs, ref_log_probs, kind, low_var_clamp)  # [B, T]
     if old_log_probs is not None:
         (old_log_probs,) = _zero_padding(response_mask, old_log_probs)
-        kl = kl * torch.exp(log_probs - old_log_probs)
+        kl = kl * _ratio(old_log_probs, log_probs)  # clamped like the policy losses' ratio: finite
     return aggregate_loss(kl, response_mask, loss_avg_mode, num_tokens, num_seqs)
