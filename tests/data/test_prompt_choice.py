@@ -135,22 +135,53 @@ def test_a_prompt_mixed_while_the_policy_was_weak_is_expected_solved_once_it_is_
 
 
 def test_prompts_never_drawn_come_before_every_prompt_seen() -> None:
-    """A first pass through the data draws as a shuffle does: 0-9 gave mixed groups (the highest
-    chance there is), 10-14 are drawn and not scored yet, 15-39 were never drawn."""
+    """0-9 gave mixed groups (the highest chance there is), 10-14 are drawn and not scored yet,
+    15-39 were never drawn: they fill whole batches, revisits included, in the first-pass order."""
     stats = PromptStats(range(40))
     for uid in range(10):
         _record(stats, uid, [1.0, 0.0] * 4)
     stats.mark_pending(list(range(10, 15)))
-    rows, fresh = torch.arange(40), set(range(15, 40))
-    batches = [PassRateSampler(stats, 8, seed=1, revisit_share=0.0).rank(rows, 16, d) for d in range(200)]
-    assert all(set(b[:16]) <= fresh for b in batches)
-    assert all(set(b[25:35]) == set(range(10)) and set(b[35:]) == set(range(10, 15)) for b in batches)
-    firsts = [b[0] for b in batches]  # the never-drawn rows in a random order, each about as often
-    assert set(firsts) == fresh and max(firsts.count(r) for r in fresh) < 25
-    for uid in range(15, 37):  # 3 never drawn are left: they come first, then the seen by chance
+    rows, fresh = torch.arange(40), list(range(15, 40))
+    first_pass = torch.tensor([*range(39, 14, -1), *range(15)])  # 39, 38, ..., 15, then the rest
+    sampler = PassRateSampler(stats, 8, seed=1, revisit_share=0.5, first_pass=first_pass)
+    for draw in range(20):  # the draw's random keys play no part while never-drawn rows are left
+        ranked = sampler.rank(rows, 16, draw)
+        assert ranked[:25] == fresh[::-1]
+        assert set(ranked[25:35]) == set(range(10)) and set(ranked[35:]) == set(range(10, 15))
+    for uid in range(15, 37):  # 3 never drawn are left: they come first, then the seen
         _record(stats, uid, [1.0] * 8)
-    ranked = PassRateSampler(stats, 8, seed=1, revisit_share=0.0).rank(rows, 16, 0)
-    assert set(ranked[:3]) == {37, 38, 39} and set(ranked[3:16]) <= set(range(10)) | set(range(15, 37))
+    ranked = sampler.rank(rows, 16, 0)
+    assert ranked[:3] == [39, 38, 37] and set(ranked[3:16]) <= set(range(10)) | set(range(15, 37))
+    # with revisit_share=1 the 13 slots left are drawn uniformly from the 32 seen rows not pending
+    uniform = PassRateSampler(stats, 8, seed=1, revisit_share=1.0, first_pass=first_pass)
+    solved = [sum(r >= 15 for r in uniform.rank(rows, 16, d)[3:16]) for d in range(300)]
+    assert sum(solved) / 300 == pytest.approx(13 * 22 / 32, abs=0.5)
+    assert all(not set(uniform.rank(rows, 16, d)[3:16]) & set(range(10, 15)) for d in range(20))
+
+
+def test_the_sampler_draws_what_the_shuffle_draws_until_it_has_seen_every_prompt() -> None:
+    """A first pass with `data.sampler=pass_rate` is the plain shuffle's first epoch, batch for
+    batch (so the two runs part only where the statistics decide); the second pass is not."""
+    shuffled = StatefulPromptLoader(FakeDataset(48), 6, seed=3)
+    stats = PromptStats(range(48))
+    sampler = PassRateSampler(stats, 4, seed=3, revisit_share=0.25)
+    by_pass_rate = StatefulPromptLoader(FakeDataset(48), 6, seed=3, picker=sampler, stats=stats)
+    for epoch in range(2):
+        plain, chosen = _uids_scored(shuffled, None), _uids_scored(by_pass_rate, stats)
+        assert (plain == chosen) == (epoch == 0)
+    assert sorted(itertools.chain(*chosen)) != list(range(48))  # the second pass chose by pass rate
+
+
+def _uids_scored(loader: StatefulPromptLoader, stats: PromptStats | None) -> list[list[int]]:
+    """One epoch's batches; with `stats`, each batch scored before the next is drawn (prompt u
+    solved u % 4 of 4 times), as the trainer does."""
+    out = []
+    for batch in loader:
+        if stats is not None:
+            for uid in batch.uids:
+                _record(stats, uid, [float(k < uid % 4) for k in range(4)])
+        out.append(batch.uids)
+    return out
 
 
 def test_mixing_shares_stay_within_one_prompt_of_the_weights() -> None:

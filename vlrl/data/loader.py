@@ -20,7 +20,7 @@ import torch
 from vlrl.batch.rows import PromptBatch
 from vlrl.data.collate import collate_prompts
 from vlrl.data.prompt_stats import PromptStats
-from vlrl.data.samplers import Curriculum, PassRateSampler, SourceMix
+from vlrl.data.samplers import Curriculum, PassRateSampler, SourceMix, epoch_order
 from vlrl.data.sources import DataError
 
 Picker = PassRateSampler | SourceMix | Curriculum
@@ -66,11 +66,7 @@ class StatefulPromptLoader:
 
     def order(self, epoch: int) -> list[int]:
         """Dataset indices in the order of `epoch`."""
-        n = len(self.dataset)
-        if not self.shuffle:
-            return list(range(n))
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(n, generator=generator).tolist()
+        return epoch_order(len(self.dataset), self.seed, epoch, self.shuffle).tolist()
 
     def __iter__(self) -> Iterator[PromptBatch]:
         epoch, order = self.epoch, self.order(self.epoch) if self.picker is None else []
@@ -188,7 +184,13 @@ def _picker(config: Any, dataset: Any, stats: PromptStats, n: int) -> Picker | N
     """The training loader's sampler for `data.sampler`, `data.train_weights` and `data.curriculum`
     (None: the plain shuffle)."""
     by_pass_rate = (
-        PassRateSampler(stats, n, config.seed, config.revisit_share)
+        PassRateSampler(
+            stats,
+            n,
+            config.seed,
+            config.revisit_share,
+            epoch_order(len(dataset), config.seed, 0, config.shuffle),
+        )
         if config.sampler == "pass_rate"
         else None
     )

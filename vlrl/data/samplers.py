@@ -7,10 +7,12 @@ prompt's recent evidence plus a prior of 2 samples). The chance that a group of 
 is 1 - E[p^n] - E[(1-p)^n] (Beta moments: E[p^n] = B(a+n, b) / B(a, b)). A batch draws
 (1 - revisit_share) of its prompts with weights chance ** SHARPNESS, without replacement
 (Efraimidis-Spirakis keys), and the rest uniformly, so that solved and hopeless prompts are looked
-at again. Prompts never drawn come before every prompt seen (in a random order: over a first pass
-through the data the sampler draws as a shuffle does, and a prompt's first group is not traded for
-another group of a prompt seen). Prompts whose scores have not come back yet
-(`PromptStats.pending`) are not drawn while others are left.
+at again. Prompts never drawn come before every prompt seen, whole batches of them, in the order the
+plain shuffle's first epoch draws them (`epoch_order`): the sampler knows nothing of a prompt it has
+not seen, so over a first pass through the data it draws exactly what `data.sampler=shuffle` draws,
+a prompt's first group is never traded for another group of a prompt seen, and a run with the
+sampler parts from the same run without it only where the statistics decide. Prompts whose scores
+have not come back yet (`PromptStats.pending`) are not drawn while others are left.
 
 `SourceMix` (`data.train_weights`): each batch takes its prompts from the entries of
 `data.train_files` in proportion to the weights (a slot goes to the entry furthest behind its share,
@@ -49,6 +51,14 @@ def _generator(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """Dataset indices [n] in the plain loader's order for `epoch`: a permutation seeded by
+    `seed + epoch`, or the file order without `shuffle`."""
+    if not shuffle:
+        return torch.arange(n)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+
+
 def mixed_group_chance(mean: torch.Tensor, concentration: torch.Tensor, n: int) -> torch.Tensor:
     """P(a group of `n` samples has both passes and fails) when each prompt's pass rate is
     Beta(mean * concentration, (1 - mean) * concentration). [P] float64"""
@@ -67,8 +77,20 @@ class PassRateSampler:
     """Ranks candidate rows for a batch by their chance of a mixed group (see the module docstring).
     `n`: samples per prompt (`worker.rollout.n`); `revisit_share`: `data.revisit_share`."""
 
-    def __init__(self, stats: PromptStats, n: int, seed: int, revisit_share: float) -> None:
+    def __init__(
+        self,
+        stats: PromptStats,
+        n: int,
+        seed: int,
+        revisit_share: float,
+        first_pass: torch.Tensor | None = None,
+    ) -> None:
         self.stats, self.n, self.seed, self.revisit_share = stats, n, seed, revisit_share
+        # `first_pass`: dataset indices [P] in the order never-drawn rows are drawn (default: the
+        # plain shuffle's first epoch for `seed`); kept as each row's place in it. [P] int64
+        order = first_pass if first_pass is not None else epoch_order(len(stats.attempts), seed, 0)
+        self.first_pass_rank = torch.empty(len(order), dtype=torch.long)
+        self.first_pass_rank[order] = torch.arange(len(order))
 
     def rank(self, rows: torch.Tensor, size: int, draw: int, salt: int = 0) -> list[int]:
         """`rows` (dataset indices [R]) ordered for a batch of `size`: the first `size` are drawn, the
@@ -78,27 +100,32 @@ class PassRateSampler:
         random = torch.rand(len(rows), generator=generator, dtype=torch.float64)
         weighted_keys = random.log() / (chance**SHARPNESS).clamp(min=1e-12)  # <= 0
         uniform_keys = torch.rand(len(rows), generator=generator, dtype=torch.float64)
-        # Rows never drawn rank first (keys > 0, in a random order): the sampler knows nothing of
-        # them, so a first pass draws as a shuffle does instead of redrawing the prompts that gave
-        # mixed groups ahead of new ones. Pending rows (drawn, scores not back) rank last.
+        # Rows never drawn come first, in the plain shuffle's first-epoch order (the sampler knows
+        # nothing of them; see the module docstring). Pending rows (drawn, scores not back) rank last.
         pending = stats.pending[rows]
         never_drawn = (stats.attempts[rows] == 0) & ~pending
-        weighted_keys[never_drawn] = 1.0 + random[never_drawn]
+        fresh = never_drawn.nonzero().squeeze(1)  # [F] positions in `rows`
+        fresh = fresh[torch.argsort(self.first_pass_rank[rows[fresh]])]
+        seen = (~never_drawn).nonzero().squeeze(1)
         weighted_keys[pending] = -float("inf")
-        by_weight = torch.argsort(weighted_keys, descending=True, stable=True)
-        n_revisit = min(round(self.revisit_share * size), len(rows))
-        n_weighted = min(size - n_revisit, len(rows))
-        chosen = by_weight[:n_weighted]
-        rest = torch.ones(len(rows), dtype=torch.bool)
+        seen_by_weight = seen[torch.argsort(weighted_keys[seen], descending=True, stable=True)]
+        # The batch's slots left after the never-drawn rows: (1 - revisit_share) by weight, the
+        # rest uniformly among the seen rows not chosen by weight.
+        n_fresh = min(len(fresh), size)
+        n_seen = size - n_fresh
+        n_revisit = min(round(self.revisit_share * n_seen), len(seen))
+        chosen = seen_by_weight[: min(n_seen - n_revisit, len(seen))]
+        rest = torch.zeros(len(rows), dtype=torch.bool)
+        rest[seen] = True
         rest[chosen] = False
         uniform_keys[~rest] = -1.0
         uniform_keys[pending & rest] = -0.5
         by_uniform = torch.argsort(uniform_keys, descending=True, stable=True)
         revisits = by_uniform[: min(n_revisit, int(rest.sum()))]
-        picked = torch.cat([chosen, revisits])
+        picked = torch.cat([fresh[:n_fresh], chosen, revisits])
         spare = torch.ones(len(rows), dtype=torch.bool)
         spare[picked] = False
-        order = torch.cat([picked, by_weight[spare[by_weight]]])
+        order = torch.cat([picked, fresh[n_fresh:], seen_by_weight[spare[seen_by_weight]]])
         return rows[order].tolist()
 
 
