@@ -1,5 +1,6 @@
 """Config loading, overrides and validation: every error names the key and says what to change."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -323,6 +324,31 @@ def test_old_policy_auto_is_the_sampling_policy_in_asynchronous_mode(
     base: list[str], overrides: list[str], expected: str
 ) -> None:
     assert load_config([*base, *overrides]).algorithm.old_policy == expected
+
+
+ASYNC = ["worker.rollout.async_ranks=1", "worker.rollout.name=vllm"]
+
+
+@pytest.mark.parametrize(
+    "overrides, dual, warmup",
+    [
+        ([], 3.0, None),  # EasyR1's
+        ([*ASYNC, "worker.rollout.max_staleness=1"], 3.0, None),  # one step off: unchanged
+        ([*ASYNC, "worker.rollout.max_staleness=2"], 1.3, 5),  # 1 + clip_ratio_high (0.3)
+        ([*ASYNC, "worker.rollout.max_staleness=4", "worker.actor.clip_ratio_high=0.28"], 1.28, 5),
+        ([*ASYNC, "worker.rollout.max_staleness=2", "worker.actor.clip_ratio_dual=3.0",
+          "worker.actor.optim.lr_warmup_steps=0"], 3.0, 0),  # explicit values win
+        ([*ASYNC, "worker.rollout.max_staleness=2", "worker.actor.optim.lr_warmup_ratio=0.1"], 1.3, None),
+        ([*ASYNC, "worker.rollout.max_staleness=2", "algorithm.tis_cap=2"], 3.0, None),  # ratio from the actor
+    ],
+)  # fmt: skip
+def test_two_or_more_steps_off_default_to_a_trust_region_around_the_sampling_policy(
+    base: list[str], overrides: list[str], dual: float, warmup: int | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="vlrl.config"):
+        actor = load_config([*base, *overrides]).worker.actor
+    assert actor.clip_ratio_dual == pytest.approx(dual) and actor.optim.lr_warmup_steps == warmup
+    assert ("a trust region around the sampling policy" in caplog.text) == (dual < 3.0)
 
 
 def test_old_policy_rollout_needs_the_engines_log_probs_and_no_tis(base: list[str]) -> None:

@@ -252,7 +252,7 @@ def _check_algorithm(config: PPOConfig) -> list[str]:
         errors.append(
             f"algorithm.adv_estimator={algo.adv_estimator} compares samples of one prompt: set worker.rollout.n >= 2"
         )
-    if actor.clip_ratio_dual <= 1.0:
+    if actor.clip_ratio_dual is not None and actor.clip_ratio_dual <= 1.0:
         errors.append(f"worker.actor.clip_ratio_dual={actor.clip_ratio_dual} must be > 1")
     if not 0 <= actor.clip_ratio_low < 1:
         errors.append(

@@ -261,7 +261,9 @@ class OptimConfig(_Section):
     """Warm-up length as a fraction of the training steps."""
     lr_warmup_steps: int | None = None
     """Warm-up length in trainer steps (overrides `lr_warmup_ratio`); the LR still rises with every
-    optimizer step inside them."""
+    optimizer step inside them. None: `lr_warmup_ratio`'s, except with `worker.rollout.max_staleness`
+    >= 2 and the ratio from the sampling policy, where a ratio of 0 gives 5 steps (Adam's first
+    steps on a batch sampled several updates back can take the policy to near-uniform)."""
     lr_scheduler_type: str = "constant"
     """Schedule after warm-up: constant or cosine."""
     min_lr_ratio: float | None = None
@@ -321,8 +323,12 @@ class ActorConfig(_Section):
     """PPO lower clip: ratio >= 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.3
     """PPO upper clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher)."""
-    clip_ratio_dual: float = 3.0
-    """Dual-clip bound for negative advantages (must be > 1)."""
+    clip_ratio_dual: float | None = None
+    """Dual-clip bound for negative advantages (must be > 1). None: 3.0, or 1 + `clip_ratio_high`
+    when the ratio is measured from a policy two or more updates old (asynchronous mode with
+    `worker.rollout.max_staleness` >= 2 and the ratio from the sampling policy): a token is then
+    pushed only while its ratio to the sampling policy is inside the clip range, whatever its
+    advantage's sign (docs/async.md, "a trust region around the sampling policy")."""
     policy_loss: str = "ppo"
     """Policy loss: ppo (vanilla/dual-clip), gspo, gspo_token, cispo, sapo. EasyR1's
     `worker.actor.loss_type` is an alias (its `default` is ppo)."""
@@ -699,6 +705,7 @@ class PPOConfig(_Section):
                 rollout.async_ranks > 0 and rollout.calculate_log_probs and algo.off_policy_correction is None
             )
             self.algorithm.old_policy = "rollout" if lagged else "actor"
+        self._stale_trust_region()
         if rollout.max_model_len is None:
             rollout.max_model_len = self.data.max_prompt_length + self.data.max_response_length
         if model.tokenizer_path is None:
@@ -717,6 +724,32 @@ class PPOConfig(_Section):
         for fsdp in (actor.fsdp, ref.fsdp):
             fsdp.fsdp_size = self._default_fsdp_size(fsdp.fsdp_size)
         self._absolute_local_paths()
+
+    def _stale_trust_region(self) -> None:
+        """The defaults of `clip_ratio_dual` and `lr_warmup_steps`: with the ratio measured from a
+        policy two or more updates old they bound every token's push to the clip range around the
+        sampling policy and warm the LR up over 5 steps (measured: docs/async.md, where k = 2 and
+        4 without them stalled or collapsed on some seeds); otherwise EasyR1's (3.0, no warm-up).
+        Explicit values win; the choice is logged."""
+        actor, rollout = self.worker.actor, self.worker.rollout
+        stale = (
+            rollout.async_ranks > 0 and rollout.max_staleness >= 2 and self.algorithm.old_policy == "rollout"
+        )
+        chosen = []
+        if actor.clip_ratio_dual is None:
+            actor.clip_ratio_dual = 1.0 + actor.clip_ratio_high if stale else 3.0
+            chosen.append(f"worker.actor.clip_ratio_dual={actor.clip_ratio_dual:g}")
+        optim = actor.optim
+        if stale and optim.lr_warmup_steps is None and optim.lr_warmup_ratio == 0:
+            optim.lr_warmup_steps = 5
+            chosen.append("worker.actor.optim.lr_warmup_steps=5")
+        if stale and chosen:
+            logger.info(
+                "worker.rollout.max_staleness=%d with the ratio from the sampling policy: %s "
+                "(a trust region around the sampling policy, docs/async.md; set them to override)",
+                rollout.max_staleness,
+                " ".join(chosen),
+            )
 
     def _default_fsdp_size(self, fsdp_size: int) -> int:
         """`fsdp_size` -1 on several nodes: one sharding group per node (ranks r*n .. r*n+n-1 share a

@@ -152,6 +152,13 @@ def _on(host: Tensor, device: torch.device) -> Tensor:
     return host.to(device, non_blocking=True)
 
 
+def _derived(value: float | None, key: str) -> float:
+    """A config value that `PPOConfig.derive` fills at start-up (None only in a config never finalized)."""
+    if value is None:
+        raise ValueError(f"{key} is unset: PPOConfig.finalize() derives it at start-up")
+    return value
+
+
 def manual_offload(cfg: ActorConfig, device: torch.device) -> tuple[bool, bool]:
     """(offload_params, offload_optimizer) that the actor does itself between phases.
 
@@ -375,7 +382,7 @@ class Actor:
                 mask,
                 clip_ratio_low=cfg.clip_ratio_low,
                 clip_ratio_high=cfg.clip_ratio_high,
-                clip_ratio_dual=cfg.clip_ratio_dual,
+                clip_ratio_dual=_derived(cfg.clip_ratio_dual, "worker.actor.clip_ratio_dual"),
                 tau_positive=cfg.tau_positive,
                 tau_negative=cfg.tau_negative,
                 **agg,
