@@ -65,10 +65,11 @@ class DataConfig(_Section):
     accuracy, response length) every step. None: the entries are one dataset, shuffled together."""
     sampler: str = "shuffle"
     """Which prompts a batch draws. shuffle: every prompt once per epoch, in a seeded shuffled order
-    (`shuffle`, `seed`). pass_rate: prompts never drawn first (in a random order), then prompts
-    whose groups are likely to disagree (GRPO learns only from those), by each prompt's pass rate
-    (its `accuracy` reward, else `overall`, which must be in [0, 1]) as it would be now, following
-    the policy's level as it learns; `revisit_share` of each batch is drawn uniformly. An epoch is then
+    (`shuffle`, `seed`). pass_rate: prompts never drawn first, in the shuffle's first-epoch order
+    (a first pass draws the shuffle's batches), then prompts whose groups are likely to disagree
+    (GRPO learns only from those), by each prompt's pass rate (its `accuracy` reward, else
+    `overall`, which must be in [0, 1]) as it would be now, following the policy's level as it
+    learns; `revisit_share` of each batch is drawn uniformly once every prompt was seen. An epoch is then
     `len(data) / rollout_batch_size` batches, not every prompt once (docs/data.md, "Choosing prompts")."""
     curriculum: str | None = None
     """Easy to hard: `column:NAME` ranks prompts by a numeric column (low: easy), `pass_rate` by each
@@ -82,8 +83,9 @@ class DataConfig(_Section):
     """Steps until the whole data is in the pool (counted in loader batches: one per step unless
     online filtering or `mini_rollout_batch_size` draws more); required (>= 1) with `curriculum`."""
     revisit_share: float = 0.1
-    """sampler=pass_rate: share of each batch drawn uniformly from all prompts, so that solved and
-    hopeless prompts are tried again as the policy changes (0 to 1)."""
+    """sampler=pass_rate: share of a batch (of its slots left after the prompts never drawn) drawn
+    uniformly from the prompts seen, so that solved and hopeless prompts are tried again as the
+    policy changes (0 to 1)."""
     val_files: str = ""
     """Validation data, same forms as `train_files`; empty disables validation."""
     prompt_key: str = "prompt"
