@@ -14,7 +14,14 @@ from vlrl.config.checks import _check_prompt_choice
 from vlrl.config.schema import DataConfig
 from vlrl.data import StatefulPromptLoader
 from vlrl.data.prompt_stats import PromptStats
-from vlrl.data.samplers import SHARPNESS, Curriculum, PassRateSampler, SourceMix, mixed_group_chance
+from vlrl.data.samplers import (
+    SHARPNESS,
+    Curriculum,
+    PassRateSampler,
+    SourceMix,
+    first_pass_note,
+    mixed_group_chance,
+)
 
 
 def _record(stats: PromptStats, uid: int, accuracies: list[float], step: int = 1) -> None:
@@ -170,6 +177,21 @@ def test_the_sampler_draws_what_the_shuffle_draws_until_it_has_seen_every_prompt
         plain, chosen = _uids_scored(shuffled, None), _uids_scored(by_pass_rate, stats)
         assert (plain == chosen) == (epoch == 0)
     assert sorted(itertools.chain(*chosen)) != list(range(48))  # the second pass chose by pass rate
+
+
+@pytest.mark.parametrize("prompts", [48, 50])
+def test_the_start_up_note_names_the_first_step_the_sampler_chooses(prompts: int) -> None:
+    """The start-up line's step is the first batch holding a prompt drawn before (with 50 prompts
+    in batches of 6, the 9th batch is 2 never drawn and 4 chosen); a shorter run is told the sampler
+    may choose nothing."""
+    stats = PromptStats(range(prompts))
+    sampler = PassRateSampler(stats, 4, seed=3, revisit_share=0.25)
+    loader = StatefulPromptLoader(FakeDataset(prompts), 6, seed=3, picker=sampler, stats=stats)
+    batches = [*_uids_scored(loader, stats), *_uids_scored(loader, stats)]
+    seen_before = [set(itertools.chain(*batches[:k])) for k in range(len(batches))]
+    step = next(k + 1 for k, uids in enumerate(batches) if seen_before[k] & set(uids))
+    assert f"own choices start at step {step} of 20" in first_pass_note(prompts, 6, 20, filtering=False)
+    assert "may choose nothing" in first_pass_note(prompts, 6, step - 1, filtering=False)
 
 
 def _uids_scored(loader: StatefulPromptLoader, stats: PromptStats | None) -> list[list[int]]:

@@ -82,6 +82,8 @@ def test_example_runs(example: str, repo_dir: Path, ray_address: str) -> None:
         args.append("data.sampler=pass_rate")
     proc = run_command(repo_dir, args, ray_address)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    if example in PASS_RATE_SAMPLER:  # the start-up line says where the sampler's own choices start
+        assert "data.sampler=pass_rate: until every prompt was drawn once (" in proc.stderr
     value: Any = lambda key: given(args, key, defaults)  # noqa: E731
     run = repo_dir / (
         value("trainer.save_checkpoint_path")

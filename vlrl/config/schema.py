@@ -69,8 +69,10 @@ class DataConfig(_Section):
     (a first pass draws the shuffle's batches), then prompts whose groups are likely to disagree
     (GRPO learns only from those), by each prompt's pass rate (its `accuracy` reward, else
     `overall`, which must be in [0, 1]) as it would be now, following the policy's level as it
-    learns; `revisit_share` of each batch is drawn uniformly once every prompt was seen. An epoch is then
-    `len(data) / rollout_batch_size` batches, not every prompt once (docs/data.md, "Choosing prompts")."""
+    learns; `revisit_share` of each batch is drawn uniformly once every prompt was seen. Its own
+    choices start at step `len(data) // rollout_batch_size + 1` (said at start-up), so it pays only
+    where prompts come back within a run. An epoch is then `len(data) / rollout_batch_size`
+    batches, not every prompt once (docs/data.md, "Choosing prompts")."""
     curriculum: str | None = None
     """Easy to hard: `column:NAME` ranks prompts by a numeric column (low: easy), `pass_rate` by each
     prompt's pass rate against the policy that scored it (high: easy; unseen: average). Batches draw

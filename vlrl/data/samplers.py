@@ -73,6 +73,26 @@ def mixed_group_chance(mean: torch.Tensor, concentration: torch.Tensor, n: int) 
     return (1 - all_pass - all_fail).clamp(min=0.0)
 
 
+def first_pass_note(prompts: int, batch: int, steps: int, filtering: bool) -> str:
+    """What `data.sampler=pass_rate` can do in a run of `steps` steps of `batch` prompts over
+    `prompts` prompts: it draws the shuffle's batches until it has drawn every prompt once (module
+    docstring), so its own choices start at step `prompts // batch + 1`, or sooner with online
+    filtering, whose extra rounds draw more prompts a step."""
+    first_pass, start = math.ceil(prompts / batch), prompts // batch + 1
+    fewer = ", fewer with online filtering's extra rounds" if filtering else ""
+    head = (
+        f"data.sampler=pass_rate: until every prompt was drawn once ({first_pass} steps of {batch} of "
+        f"the {prompts} prompts{fewer}) the batches are the shuffle's, as a prompt's pass rate is unknown "
+        "until it is drawn"
+    )
+    if start <= steps:
+        return f"{head}; the sampler's own choices start at step {start} of {steps}"
+    return (
+        f"{head}, and this run has {steps} steps: the sampler may choose nothing. It pays where prompts "
+        "come back within a run (docs/data.md, 'Choosing prompts')"
+    )
+
+
 class PassRateSampler:
     """Ranks candidate rows for a batch by their chance of a mixed group (see the module docstring).
     `n`: samples per prompt (`worker.rollout.n`); `revisit_share`: `data.revisit_share`."""

@@ -36,6 +36,7 @@ from vlrl.batch.image_refs import ImageRefs
 from vlrl.batch.rows import PromptBatch, RolloutBatch, TokenRewards
 from vlrl.batch.samples import StepSamples
 from vlrl.config import PPOConfig
+from vlrl.data.samplers import first_pass_note
 from vlrl.models.sampling import truncation_warning
 from vlrl.rollout.base import eos_token_ids
 from vlrl.trainer.async_rollout import AsyncRollout
@@ -115,6 +116,7 @@ class PPOTrainer:
                                self.run_dir, config.to_dict())  # fmt: skip
         self.global_step = 0
         self.total_steps = planned_steps(config, data.train_loader)
+        _say_first_pass(config, len(data.train_loader.dataset), self.total_steps)
         self.checkpoints.check_no_collisions(self._save_steps())
         trainer_config = config.trainer
         self.validation = (
@@ -451,6 +453,15 @@ def planned_steps(config: PPOConfig, train_loader: Sized) -> int:
         return trainer.max_steps
     per_batch = data.mini_rollout_batch_size or data.rollout_batch_size
     return len(train_loader) * per_batch // data.rollout_batch_size * trainer.total_epochs
+
+
+def _say_first_pass(config: PPOConfig, prompts: int, steps: int) -> None:
+    """Where the pass-rate sampler's own choices start (with mixing or a curriculum each entry or pool
+    has its own first pass, so nothing is said)."""
+    data = config.data
+    if data.sampler == "pass_rate" and data.train_weights is None and data.curriculum is None:
+        note = first_pass_note(prompts, data.rollout_batch_size, steps, config.algorithm.online_filtering)
+        print(f"[vlrl] {note}", file=sys.stderr, flush=True)
 
 
 def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
